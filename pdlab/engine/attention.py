@@ -1,0 +1,108 @@
+"""pdlab's attention, registered with transformers' AttentionInterface.
+
+The model runs on a packed batch of one: every scheduled token of every request is laid end to end
+([1, T]) with its own position id. transformers computes q/k/v and rotary embeddings per token as usual
+and then calls `paged_attention` once per layer. There we write the new K/V into the paged pool and
+attend each request to its own context:
+- decode requests (one query token) in one padded SDPA call over K/V gathered from their blocks;
+- prefill chunks one SDPA call each: plain causal over the chunk's own K/V when the request has no
+  earlier context (the common case), else over K/V gathered from its blocks with an offset causal mask.
+GQA uses SDPA's `enable_gqa`, so K/V heads are never repeated.
+
+The per-step metadata lives in a module-level context set by the runner around the forward pass
+(the model call cannot carry it): tensors are built once per step and reused by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "pdlab_paged"
+
+
+@dataclass
+class PrefillSegment:
+    q_start: int  # first row of this request's tokens in the packed batch
+    q_end: int
+    kv_index: Optional[torch.Tensor]  # [ctx_len] pool slots, None when the chunk is the whole context
+    mask: Optional[torch.Tensor]  # [q_len, ctx_len] bool, None when plain causal
+
+
+@dataclass
+class AttnContext:
+    kv: torch.Tensor  # pool [layers, 2, blocks, block_size, kv_heads, head_dim]
+    slots: torch.Tensor  # [T] pool slot of each new token
+    decode_rows: Optional[torch.Tensor] = None  # [B] rows of the decode tokens in the packed batch
+    decode_kv_index: Optional[torch.Tensor] = None  # [B, max_ctx] pool slots (padded)
+    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, max_ctx] bool
+    prefills: list[PrefillSegment] = field(default_factory=list)
+    layer_hook: Optional[Callable[[int], None]] = None
+
+
+_CTX: Optional[AttnContext] = None
+
+
+def set_context(ctx: Optional[AttnContext]) -> None:
+    global _CTX
+    _CTX = ctx
+
+
+def paged_attention(
+    module: Any,
+    query: torch.Tensor,  # [1, heads, T, head_dim]
+    key: torch.Tensor,  # [1, kv_heads, T, head_dim]
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    ctx = _CTX
+    if ctx is None:
+        raise RuntimeError("pdlab attention called outside an engine step")
+    layer = module.layer_idx
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    k = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v = value[0].transpose(0, 1)
+    kv_heads, head_dim = k.shape[1], k.shape[2]
+    k_pool = ctx.kv[layer, 0].view(-1, kv_heads, head_dim)
+    v_pool = ctx.kv[layer, 1].view(-1, kv_heads, head_dim)
+    k_pool.index_copy_(0, ctx.slots, k)
+    v_pool.index_copy_(0, ctx.slots, v)
+
+    out = torch.empty_like(q)
+    if ctx.decode_rows is not None:
+        qd = q[ctx.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+        kd = k_pool[ctx.decode_kv_index].transpose(1, 2)  # [B, Hkv, max_ctx, D]
+        vd = v_pool[ctx.decode_kv_index].transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=True)
+        out[ctx.decode_rows] = od.squeeze(2)
+    for seg in ctx.prefills:
+        qs = q[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if seg.kv_index is None:
+            ks = k[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)
+            vs = v[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            ks = k_pool[seg.kv_index].transpose(0, 1).unsqueeze(0)
+            vs = v_pool[seg.kv_index].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=scaling, enable_gqa=True)
+        out[seg.q_start:seg.q_end] = o[0].transpose(0, 1)
+    if ctx.layer_hook is not None:
+        ctx.layer_hook(layer)
+    return out.unsqueeze(0), None
+
+
+def register() -> None:
+    """Make `attn_implementation=ATTN_NAME` resolve to pdlab's attention (idempotent).
+
+    The name is deliberately absent from transformers' mask registry, so the model builds no
+    attention mask: masking is ours, per request.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention)

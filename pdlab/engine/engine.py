@@ -1,0 +1,304 @@
+"""The engine: add requests, step, stream tokens. One engine, three roles (unified, prefill, decode)."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from pdlab.engine.blocks import BlockManager
+from pdlab.engine.config import EngineConfig, RequestError, SamplingParams
+from pdlab.engine.model import model_dims
+from pdlab.engine.runner import ModelRunner
+from pdlab.engine.sampler import make_generator, sample
+from pdlab.engine.scheduler import Scheduler
+from pdlab.engine.sequence import Sequence, Status
+
+ROLES = ("unified", "prefill", "decode")
+CPU_AUTO_KV_BYTES = 1 << 30  # "auto" on CPU: at most 1 GiB of pool per worker
+
+
+@dataclass
+class StepRecord:
+    start: float  # time.monotonic()
+    end: float
+    prefill_tokens: int
+    decode_seqs: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    waiting: int
+    running: int
+    preempted: int
+    forward_s: float  # time inside the model forward (the rest is engine overhead)
+
+
+@dataclass
+class TokenOut:
+    req_id: str
+    token_id: Optional[int]  # None when the request failed
+    finished: bool = False
+    finish_reason: Optional[str] = None  # stop | length | handoff | abort | error
+    error: Optional[str] = None
+    cached_tokens: int = 0
+    num_output: int = 0
+
+
+@dataclass
+class StepOutput:
+    record: Optional[StepRecord]  # None when nothing could run
+    tokens: list[TokenOut] = field(default_factory=list)
+
+
+@dataclass
+class HandoffInfo:
+    req_id: str
+    prompt_ids: list[int]
+    first_token: int
+    block_ids: list[int]
+    block_hashes: list[int]
+
+
+@dataclass
+class Reservation:
+    req_id: str
+    block_ids: list[int]  # the request's whole block table for its prompt
+    cached_blocks: int  # leading blocks already holding this prompt's KV (prefix cache): skip them
+
+
+class Engine:
+    def __init__(self, model: Any, config: EngineConfig, role: str = "unified",
+                 kv_alloc: Optional[Callable[[tuple, torch.dtype], torch.Tensor]] = None):
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        config.validate()
+        self.model, self.config, self.role = model, config, role
+        dims = model_dims(model)
+        self.dims = dims
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.max_model_len = config.max_model_len or dims["max_model_len"]
+        self.eos_ids = set(dims["eos_token_ids"])
+        num_blocks = config.kv_blocks if config.kv_blocks != "auto" else self._auto_blocks()
+        shape = (dims["layers"], 2, num_blocks, config.block_size, dims["kv_heads"], dims["head_dim"])
+        self.kv = kv_alloc(shape, self.dtype) if kv_alloc else torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
+        self.scheduler = Scheduler(config, self.blocks)
+        self.runner = ModelRunner(model, self.kv, config.block_size)
+        self.seqs: dict[str, Sequence] = {}
+        self._current: list[tuple[str, int, int]] = []
+
+    # ---- sizing ----
+    @property
+    def block_bytes(self) -> int:
+        d = self.dims
+        return d["layers"] * 2 * self.config.block_size * d["kv_heads"] * d["head_dim"] * self.dtype.itemsize
+
+    def _auto_blocks(self) -> int:
+        per_seq = -(-self.max_model_len // self.config.block_size)
+        want = self.config.max_running * per_seq
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            cap = int(free * self.config.kv_memory_fraction)
+        else:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            cap = min(int(avail * self.config.kv_memory_fraction), CPU_AUTO_KV_BYTES)
+        return max(1, min(want, cap // self.block_bytes))
+
+    # ---- requests ----
+    def _validate(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        if req_id in self.seqs:
+            raise RequestError(f"request {req_id!r} already exists")
+        if len(prompt_ids) == 0:
+            raise RequestError(f"request {req_id!r}: empty prompt")
+        params.validate()
+        vocab = self.dims["vocab_size"]
+        bad = next((t for t in prompt_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestError(f"request {req_id!r}: token id {bad} outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"request {req_id!r}: prompt of {len(prompt_ids)} tokens does not fit the "
+                               f"model's context of {self.max_model_len} tokens")
+        need = -(-(len(prompt_ids) + 1) // self.config.block_size)
+        if need > self.blocks.num_blocks:
+            raise RequestError(f"request {req_id!r}: prompt of {len(prompt_ids)} tokens needs {need} KV blocks; "
+                               f"the whole pool has {self.blocks.num_blocks}")
+
+    def _new_seq(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
+        self._validate(req_id, prompt_ids, params)
+        seq = Sequence(req_id, list(prompt_ids), params, t_arrival=time.monotonic())
+        seq.generator = make_generator(params, self.device)
+        return seq
+
+    def add(self, req_id: str, prompt_ids: list[int], params: Optional[SamplingParams] = None) -> None:
+        """Queue a request. Raises RequestError (engine state unchanged) if it cannot be served."""
+        seq = self._new_seq(req_id, prompt_ids, params or SamplingParams())
+        self.seqs[req_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, req_id: str) -> bool:
+        seq = self.seqs.pop(req_id, None)
+        if seq is None:
+            return False
+        self.scheduler.finish(seq)
+        self.blocks.release(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        return True
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    def sequence(self, req_id: str) -> Optional[Sequence]:
+        return self.seqs.get(req_id)
+
+    # ---- hooks ----
+    @property
+    def layer_hook(self) -> Optional[Callable[[int], None]]:
+        return self.runner.layer_hook
+
+    @layer_hook.setter
+    def layer_hook(self, fn: Optional[Callable[[int], None]]) -> None:
+        self.runner.layer_hook = fn
+
+    def step_requests(self) -> list[tuple[str, int, int]]:
+        """(req_id, first token, end token) computed by the step now running (for layer hooks)."""
+        return self._current
+
+    # ---- the step ----
+    def step(self) -> StepOutput:
+        start = time.monotonic()
+        batch = self.scheduler.schedule()
+        outs: list[TokenOut] = []
+        for seq in batch.failed:
+            outs.append(self._fail(seq, f"request needs {self.blocks.blocks_needed(seq, seq.num_tokens)} KV "
+                                        f"blocks; the pool has {self.blocks.num_blocks}"))
+        if not batch.seqs:
+            rec = None
+            if batch.preempted or batch.failed:
+                rec = self._record(start, time.monotonic(), 0, 0, len(batch.preempted), 0.0)
+            return StepOutput(rec, outs)
+        prefill_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if not (n == 1 and s.is_decode))
+        decode_seqs = sum(1 for s, n in zip(batch.seqs, batch.num_tokens) if n == 1 and s.is_decode)
+        for s, n in zip(batch.seqs, batch.num_tokens):
+            if s.t_first_scheduled is None:
+                s.t_first_scheduled = start
+        self._current = [(s.req_id, s.num_computed, s.num_computed + n) for s, n in zip(batch.seqs, batch.num_tokens)]
+        ids, pos, ctx, rows = self.runner.prepare(batch.seqs, batch.num_tokens)
+        t0 = time.monotonic()
+        logits = self.runner.forward(ids, pos, ctx, rows)
+        forward_s = time.monotonic() - t0
+        self._current = []
+        sampling = []
+        for s, n in zip(batch.seqs, batch.num_tokens):
+            s.num_computed += n
+            if s.t_prefill_end is None and s.num_computed >= s.prompt_len:
+                s.t_prefill_end = time.monotonic()
+            self.blocks.register_full_blocks(s)
+            if s.num_computed == s.num_tokens:
+                sampling.append(s)
+        if sampling:
+            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            for s, tok in zip(sampling, tokens):
+                outs.append(self._append(s, tok))
+        end = time.monotonic()
+        return StepOutput(self._record(start, end, prefill_tokens, decode_seqs, len(batch.preempted), forward_s), outs)
+
+    def _record(self, start: float, end: float, prefill_tokens: int, decode_seqs: int, preempted: int,
+                forward_s: float) -> StepRecord:
+        return StepRecord(start, end, prefill_tokens, decode_seqs, self.blocks.num_used, self.blocks.num_blocks,
+                          len(self.scheduler.waiting), len(self.scheduler.running), preempted, forward_s)
+
+    def _append(self, seq: Sequence, tok: int) -> TokenOut:
+        seq.output_ids.append(tok)
+        p = seq.params
+        reason = None
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            reason = "length"
+        elif self.role == "prefill":
+            reason = "handoff"
+        out = TokenOut(seq.req_id, tok, reason is not None, reason, None, seq.num_cached, len(seq.output_ids))
+        if reason == "handoff":
+            self.scheduler.finish(seq)
+            seq.status = Status.HANDOFF  # blocks held until release()
+        elif reason is not None:
+            self._finish(seq, reason)
+        return out
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        self.scheduler.finish(seq)
+        self.blocks.release(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, reason
+        self.seqs.pop(seq.req_id, None)
+
+    def _fail(self, seq: Sequence, error: str) -> TokenOut:
+        self._finish(seq, "error")
+        return TokenOut(seq.req_id, None, True, "error", f"request {seq.req_id!r}: {error}", seq.num_cached,
+                        len(seq.output_ids))
+
+    # ---- prefill role: hand the KV off ----
+    def handoff(self, req_id: str) -> HandoffInfo:
+        seq = self.seqs[req_id]
+        assert seq.status == Status.HANDOFF, f"{req_id} is {seq.status.value}, not handed off"
+        n = -(-seq.prompt_len // self.config.block_size)
+        return HandoffInfo(req_id, seq.prompt_ids, seq.output_ids[0], seq.block_table[:n], list(seq.block_hashes))
+
+    def release(self, req_id: str) -> None:
+        """The decode side has the KV: free the blocks (they stay in the prefix cache)."""
+        seq = self.seqs.pop(req_id)
+        self.blocks.release(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "handoff"
+
+    # ---- decode role: take KV in ----
+    def reserve(self, req_id: str, prompt_ids: list[int], first_token: int,
+                params: Optional[SamplingParams] = None) -> Optional[Reservation]:
+        """Hold blocks for a prompt whose KV will be written from outside; None if there is no room now.
+        Blocks of a prefix this engine already holds are reused and need no transfer."""
+        seq = self._new_seq(req_id, prompt_ids, params or SamplingParams())
+        seq.output_ids.append(first_token)
+        hits = self.blocks.match_prefix(seq.prompt_ids, seq.prompt_len)
+        if self.blocks.blocks_needed(seq, seq.prompt_len) - len(hits) > self.blocks.num_free - sum(
+                1 for b in hits if self.blocks.ref[b] == 0):
+            return None
+        self.blocks.take_prefix(seq, hits)
+        self.blocks.allocate(seq, seq.prompt_len)
+        seq.num_cached = len(hits) * self.config.block_size
+        seq.status = Status.RESERVED
+        self.seqs[req_id] = seq
+        return Reservation(req_id, list(seq.block_table), len(hits))
+
+    def admit(self, req_id: str) -> None:
+        """The reserved blocks now hold the prompt's KV: start decoding."""
+        seq = self.seqs[req_id]
+        assert seq.status == Status.RESERVED, f"{req_id} is {seq.status.value}, not reserved"
+        seq.num_computed = seq.prompt_len
+        seq.t_prefill_end = time.monotonic()
+        self.blocks.register_full_blocks(seq)
+        self.scheduler.add(seq)
+
+    def cancel_reservation(self, req_id: str) -> None:
+        seq = self.seqs.pop(req_id)
+        # Blocks that never received KV must not stay in the prefix cache: they have no key yet,
+        # because keys are only set by register_full_blocks() at admit().
+        self.blocks.release(seq)
+        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+
+    # ---- housekeeping ----
+    def reset_prefix_cache(self) -> None:
+        self.blocks.reset_prefix_cache()
+
+    def check_idle(self) -> None:
+        """Assert that no request is left and no block is held (leak check for tests and workers)."""
+        assert not self.seqs, f"requests left: {list(self.seqs)[:8]}"
+        self.blocks.check_idle()

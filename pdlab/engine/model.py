@@ -1,0 +1,162 @@
+"""Models: a transformers causal LM from a local directory / the local HF cache, or a synthetic preset.
+
+Presets are transformers configs with seeded random weights, so tests and CPU recipes need no download.
+The init is scaled up from transformers' default (std 0.02): at these tiny widths the default makes the
+residual stream nearly constant and greedy decoding collapses into one repeated token, which would make
+parity tests prove little.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+
+class ModelLoadError(ValueError):
+    """The model could not be found or loaded (bad path, unknown preset, no model files)."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    arch: str  # "llama" | "qwen3"
+    vocab_size: int
+    hidden_size: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+    init_std: float
+    eos_token_id: int = 2
+
+
+PRESETS: dict[str, Preset] = {
+    # tests: small enough to run hundreds of generations in seconds
+    "tiny-llama": Preset("llama", 512, 64, 2, 4, 2, 128, 2048, 0.08),
+    "tiny-qwen3": Preset("qwen3", 512, 64, 2, 4, 2, 160, 2048, 0.08),
+    # CPU demo: a 1.5-2k-token prefill takes a few hundred ms on one core, a batch-8 decode step a few ms,
+    # which is the ratio that makes prefill interference visible on a CPU box.
+    "cpu-demo": Preset("llama", 4096, 256, 6, 8, 4, 768, 4096, 0.04),
+    # GPU benchmark shape (~0.6B parameters, Qwen3-0.6B-like)
+    "gpu-0.6b": Preset("qwen3", 151936, 1024, 28, 16, 8, 3072, 40960, 0.02),
+}
+
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "auto": "auto"}
+
+
+def preset_config(name: str) -> Any:
+    """The transformers config of a preset (raises ModelLoadError for an unknown name)."""
+    if name not in PRESETS:
+        raise ModelLoadError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
+    p = PRESETS[name]
+    common = dict(
+        vocab_size=p.vocab_size, hidden_size=p.hidden_size, num_hidden_layers=p.layers,
+        num_attention_heads=p.heads, num_key_value_heads=p.kv_heads, intermediate_size=p.intermediate_size,
+        max_position_embeddings=p.max_position_embeddings, initializer_range=p.init_std,
+        eos_token_id=p.eos_token_id, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
+    )
+    if p.arch == "llama":
+        from transformers import LlamaConfig
+
+        return LlamaConfig(**common)
+    from transformers import Qwen3Config
+
+    return Qwen3Config(head_dim=p.hidden_size // p.heads, **common)
+
+
+def _torch_dtype(dtype: str) -> Any:
+    import torch
+
+    key = DTYPES.get(str(dtype).lower())
+    if key is None:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; expected one of float32, bfloat16, float16, auto")
+    return key if key == "auto" else getattr(torch, key)
+
+
+def load_model(spec: Union[str, dict], dtype: str = "float32", device: str = "cpu", seed: int = 0) -> Any:
+    """Load a causal LM, ready for pdlab's attention.
+
+    `spec` is a preset name, a local model directory, a model id already in the local HF cache, or a
+    recipe dict ``{preset: NAME}`` / ``{path: DIR, dtype: ..., device: ...}``. Nothing is downloaded.
+    """
+    import torch
+
+    from pdlab.engine.attention import ATTN_NAME, register
+
+    if isinstance(spec, dict):
+        dtype = spec.get("dtype", dtype)
+        device = spec.get("device", device)
+        seed = spec.get("seed", seed)
+        spec = spec.get("preset") or spec.get("path") or ""
+    if not spec:
+        raise ModelLoadError("model: give a preset name or a local model directory")
+    register()
+    tdtype = _torch_dtype(dtype)
+    if spec in PRESETS:
+        from transformers import AutoModelForCausalLM
+
+        cfg = preset_config(spec)
+        torch.manual_seed(seed)
+        with torch.device("cpu"):
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        if tdtype != "auto":
+            model = model.to(tdtype)
+        model.name_or_path = spec
+    else:
+        model = _from_disk(spec, tdtype)
+    model = model.to(device).eval()
+    model.requires_grad_(False)
+    model.config._attn_implementation = ATTN_NAME
+    return model
+
+
+def _from_disk(path: str, tdtype: Any) -> Any:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = os.path.expanduser(path)
+    local = os.path.isdir(path)
+    looks_like_path = path.startswith((".", "/", "~")) or path.count("/") > 1
+    if not local and (looks_like_path or os.path.exists(path)):
+        raise ModelLoadError(f"model path {path!r} does not exist or is not a directory")
+    if local and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"model path {path!r} holds no model (no config.json)")
+    try:
+        AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # noqa: BLE001 - transformers raises many kinds; one line for the user
+        if not local:
+            raise ModelLoadError(
+                f"model {path!r} is neither a local directory nor in the local HF cache (nothing is downloaded)"
+            ) from None
+        raise ModelLoadError(f"cannot load model config from {path!r}: {str(e).splitlines()[0]}") from None
+    try:
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=tdtype, local_files_only=True, attn_implementation="sdpa"
+        )
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cannot load model weights from {path!r}: {str(e).splitlines()[0]}") from None
+
+
+def model_dims(model: Any) -> dict:
+    """Shape facts the KV pool needs."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    return {
+        "layers": cfg.num_hidden_layers,
+        "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        "max_model_len": getattr(cfg, "max_position_embeddings", 4096),
+        "vocab_size": cfg.vocab_size,
+        "eos_token_ids": _eos_ids(model),
+    }
+
+
+def _eos_ids(model: Any) -> list[int]:
+    ids: Optional[Any] = getattr(model.generation_config, "eos_token_id", None) if getattr(
+        model, "generation_config", None) is not None else None
+    if ids is None:
+        ids = model.config.eos_token_id
+    if ids is None:
+        return []
+    return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]

@@ -1,0 +1,138 @@
+"""Continuous batching on a per-step token budget.
+
+Every request carries `num_computed`, the number of its tokens whose KV is in the pool. Each step the
+scheduler hands out at most `token_budget` new tokens: first to running requests (a decode needs one
+token, an unfinished chunked prefill its next chunk), then to waiting requests in arrival order (their
+prompt, less what the prefix cache already holds). Decode, chunked prefill and prefix hits are one
+mechanism. When blocks run out, the most recently admitted running request is preempted: its blocks
+are released and it goes back to the front of the queue, to be recomputed later.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdlab.engine.blocks import BlockManager
+from pdlab.engine.config import EngineConfig
+from pdlab.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)  # new tokens per request this step
+    preempted: list[Sequence] = field(default_factory=list)
+    failed: list[Sequence] = field(default_factory=list)  # cannot fit even alone in the pool
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, blocks: BlockManager):
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _chunk(self, seq: Sequence, budget: int) -> int:
+        remaining = seq.num_tokens - seq.num_computed
+        if self.config.chunked_prefill:
+            return min(remaining, self.config.chunk_size, budget)
+        # Unchunked: a prompt goes in whole, or waits for a step with room. One longer than the whole
+        # budget (or a recompute of prompt + outputs after preemption) could never fit, so it runs in
+        # pieces of whatever budget is left rather than never.
+        if remaining > self.config.token_budget:
+            return budget
+        return remaining if remaining <= budget else 0
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self.config.token_budget
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = 1 if seq.is_decode else self._chunk(seq, budget)
+            if n == 0:
+                i += 1
+                continue
+            while not self.blocks.can_allocate(seq, seq.num_computed + n):
+                victim = self.running.pop()
+                self._preempt(victim, batch)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.allocate(seq, seq.num_computed + n)
+                batch.seqs.append(seq)
+                batch.num_tokens.append(n)
+                budget -= n
+                i += 1
+                continue
+            break  # seq preempted itself: nothing later in the list can run either
+        if batch.preempted:
+            return batch
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
+            seq = self.waiting[0]
+            if not seq.block_table and seq.num_computed == 0:
+                self._match_prefix(seq)
+            n = 1 if seq.is_decode else self._chunk(seq, budget)
+            if n == 0 or not self.blocks.can_allocate(seq, seq.num_computed + n):
+                if not self.running and not batch.seqs:
+                    self._fail_if_too_big(seq, batch)
+                break
+            self.waiting.popleft()
+            self.blocks.allocate(seq, seq.num_computed + n)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            batch.seqs.append(seq)
+            batch.num_tokens.append(n)
+            budget -= n
+        return batch
+
+    def _match_prefix(self, seq: Sequence) -> None:
+        # At least the last prompt token is computed, so the request has logits to sample from.
+        hits = self.blocks.match_prefix(seq.prompt_ids + seq.output_ids, seq.num_tokens - 1)
+        if hits:
+            self.blocks.take_prefix(seq, hits)
+            seq.num_computed = len(hits) * self.blocks.block_size
+        if seq.preemptions == 0:
+            seq.num_cached = seq.num_computed
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        if seq in batch.seqs:  # already handed tokens this step: take them back
+            j = batch.seqs.index(seq)
+            batch.seqs.pop(j)
+            batch.num_tokens.pop(j)
+        self.blocks.release(seq)
+        seq.num_computed = 0
+        seq.status = Status.WAITING
+        seq.preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+        if not self.running and not batch.seqs:
+            self._fail_if_too_big(seq, batch)
+
+    def _fail_if_too_big(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """With the pool otherwise empty, a request that still does not fit never will."""
+        if self.blocks.blocks_needed(seq, seq.num_tokens) > self.blocks.num_free:
+            if self.waiting and self.waiting[0] is seq:
+                self.waiting.popleft()
+            if seq in batch.preempted:
+                batch.preempted.remove(seq)
+            self.blocks.release(seq)
+            batch.failed.append(seq)
+
+    def finish(self, seq: Sequence) -> None:
+        """Drop a request from the queues (its blocks are the engine's business)."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

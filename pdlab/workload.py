@@ -1,0 +1,171 @@
+"""Seeded workloads: the same seed gives every variant the same requests at the same arrival times.
+
+Randomness is split into independent streams keyed by (seed, purpose, rate), so:
+- the variant never enters: unified and disaggregated runs see identical requests;
+- arrival gaps are drawn at unit rate and scaled by 1/rate, so the arrival pattern at rate 4 is the one
+  at rate 2 compressed twice;
+- prompts are drawn per rate: a worker that lives across the rate grid must not find the previous
+  rate's prompts in its prefix cache. Shared-prefix groups are the same at every rate (the prefixes are
+  the point of that workload; after warm-up they are cached anyway).
+A rate of inf puts every arrival at 0: the saturation point.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import numpy as np
+
+
+class WorkloadError(ValueError):
+    """A workload that cannot be built (bad dataset line, token range outside the vocabulary)."""
+
+
+@dataclass
+class WorkloadRequest:
+    id: str
+    prompt_ids: list[int]
+    output_len: int
+    arrival: float  # seconds from the start of the rate's measurement
+    prefix_group: Optional[int] = None  # shared-prefix group, None when the prompt carries no shared prefix
+
+
+def rate_tag(rate: float) -> str:
+    """Compact, stable text of a rate for ids and file names: 2.0 -> '2', 0.5 -> '0.5', inf -> 'inf'."""
+    if math.isinf(rate):
+        return "inf"
+    return f"{rate:g}"
+
+
+def _rng(seed: int, *purpose: Any) -> np.random.Generator:
+    key = zlib.crc32("/".join(str(p) for p in purpose).encode())
+    return np.random.default_rng([seed, key])
+
+
+def arrival_times(arrival: dict, rate: float, n: int, seed: int) -> list[float]:
+    """Offsets in seconds of `n` arrivals; the first is at 0. Mean gap 1/rate for every kind."""
+    if n <= 0:
+        return []
+    if math.isinf(rate):
+        return [0.0] * n
+    kind = arrival["kind"]
+    rng = _rng(seed, "arrivals", kind)
+    if kind == "poisson":
+        gaps = rng.exponential(1.0, n - 1)
+    elif kind == "gamma":
+        b = float(arrival.get("burstiness", 1.0))  # shape b, scale 1/b: mean 1, CV 1/sqrt(b) (vLLM's form)
+        gaps = rng.gamma(b, 1.0 / b, n - 1)
+    elif kind == "constant":
+        gaps = np.ones(n - 1)
+    elif kind == "burst":
+        size = int(arrival.get("size", 8))  # `size` requests together, every size/rate seconds
+        return [float((i // size) * size / rate) for i in range(n)]
+    else:
+        raise WorkloadError(f"unknown arrival kind {kind!r}")
+    return [0.0] + [float(t) for t in np.cumsum(gaps) / rate]
+
+
+def _length(spec: dict, rng: np.random.Generator, line: Optional[dict], what: str) -> int:
+    if spec["kind"] == "fixed":
+        return int(spec["value"])
+    if spec["kind"] == "uniform":
+        return int(rng.integers(spec["min"], spec["max"] + 1))
+    if line is None or line.get(what) is None:
+        raise WorkloadError(f"workload.{what}: kind dataset but the dataset line has no {what}")
+    return int(line[what])
+
+
+def load_dataset(path: str, tokenizer: Any = None, vocab_size: Optional[int] = None) -> list[dict]:
+    """JSONL lines with `prompt_ids` (token ids) or `prompt` (text, needs `tokenizer`), optional `output_len`.
+
+    `tokenizer` is a callable text -> ids, or an object with `.encode(text)`. Returns [{prompt_ids, output_len}].
+    """
+    encode: Optional[Callable[[str], list[int]]] = None
+    if tokenizer is not None:
+        encode = tokenizer.encode if hasattr(tokenizer, "encode") else tokenizer
+    out: list[dict] = []
+    with open(path) as f:
+        for n, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            where = f"{path}:{n}"
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise WorkloadError(f"{where}: not valid JSON ({e.msg})") from None
+            if not isinstance(line, dict):
+                raise WorkloadError(f"{where}: expected an object with prompt_ids or prompt")
+            if "prompt_ids" in line:
+                ids = line["prompt_ids"]
+                if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and i >= 0 for i in ids):
+                    raise WorkloadError(f"{where}: prompt_ids must be a non-empty list of token ids")
+            elif "prompt" in line:
+                if encode is None:
+                    raise WorkloadError(f"{where}: a text prompt needs the model's tokenizer")
+                ids = [int(i) for i in encode(str(line["prompt"]))]
+            else:
+                raise WorkloadError(f"{where}: expected prompt_ids or prompt")
+            if vocab_size is not None and max(ids) >= vocab_size:
+                raise WorkloadError(f"{where}: token id {max(ids)} is outside the vocabulary ({vocab_size})")
+            ol = line.get("output_len")
+            if ol is not None and (not isinstance(ol, int) or ol < 1):
+                raise WorkloadError(f"{where}: output_len must be an integer >= 1, got {ol!r}")
+            out.append({"prompt_ids": ids, "output_len": ol})
+    if not out:
+        raise WorkloadError(f"{path}: the dataset has no prompts")
+    return out
+
+
+def build_requests(workload: dict, rate: float, seed: int, vocab_size: int, tokenizer: Any = None,
+                   dataset: Optional[list[dict]] = None, n: Optional[int] = None,
+                   purpose: Union[str, float, None] = None) -> list[WorkloadRequest]:
+    """The requests of one rate: `workload` is the resolved `workload` section of a recipe.
+
+    `n` defaults to workload.requests; `purpose` (default: the rate) keys the prompt stream, e.g.
+    "warmup" for warm-up requests. `dataset` may be passed pre-loaded (see load_dataset).
+    """
+    n = workload["requests"] if n is None else n
+    key = rate_tag(rate) if purpose is None else str(purpose)
+    low = int(workload.get("token_low", 0))
+    high = int(workload.get("token_high") or vocab_size)
+    if high > vocab_size or low >= high:
+        raise WorkloadError(f"workload token ids [{low}, {high}) do not fit the vocabulary of {vocab_size}")
+    if workload.get("dataset") and dataset is None:
+        dataset = load_dataset(workload["dataset"], tokenizer, vocab_size)
+
+    sp = workload.get("shared_prefix")
+    prefixes: list[list[int]] = []
+    if sp:
+        prng = _rng(seed, "prefixes")
+        prefixes = [prng.integers(low, high, sp["len"]).tolist() for _ in range(sp["groups"])]
+
+    rng = _rng(seed, "prompts", key)
+    order = rng.permutation(len(dataset)).tolist() if dataset else []
+    arrivals = arrival_times(workload["arrival"], rate, n, seed) if purpose is None else [0.0] * n
+    out = []
+    for i in range(n):
+        line = dataset[order[i % len(order)]] if dataset else None
+        group = None
+        if sp and rng.random() < sp["share"]:
+            group = int(rng.integers(0, sp["groups"]))
+        if line is not None:
+            body = list(line["prompt_ids"])
+            prompt = (prefixes[group] + body) if group is not None else body
+        else:
+            total = _length(workload["input_len"], rng, None, "input_len")
+            head = prefixes[group] if group is not None else []
+            prompt = head + rng.integers(low, high, total - len(head)).tolist()
+        olen = _length(workload["output_len"], rng, line, "output_len")
+        out.append(WorkloadRequest(id=f"{key}-{i:04d}", prompt_ids=[int(t) for t in prompt], output_len=olen,
+                                   arrival=arrivals[i], prefix_group=group))
+    return out
+
+
+def build_warmup(workload: dict, seed: int, vocab_size: int, n: int, tokenizer: Any = None,
+                 dataset: Optional[list[dict]] = None) -> list[WorkloadRequest]:
+    """Warm-up requests: drawn like the measured ones from their own stream, all arriving at 0."""
+    return build_requests(workload, math.inf, seed, vocab_size, tokenizer, dataset, n=n, purpose="warmup")

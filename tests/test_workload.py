@@ -1,0 +1,116 @@
+import json
+import math
+
+import numpy as np
+import pytest
+
+from pdlab.workload import WorkloadError, arrival_times, build_requests, build_warmup, load_dataset, rate_tag
+
+W = {"requests": 200, "arrival": {"kind": "poisson"}, "input_len": {"kind": "uniform", "min": 20, "max": 40},
+     "output_len": {"kind": "fixed", "value": 7}, "shared_prefix": None, "dataset": None,
+     "token_low": 10, "token_high": None}
+
+
+def test_same_seed_same_requests_and_arrivals():
+    a = build_requests(W, 2.0, seed=3, vocab_size=512)
+    b = build_requests(W, 2.0, seed=3, vocab_size=512)
+    assert a == b
+    c = build_requests(W, 2.0, seed=4, vocab_size=512)
+    assert [r.prompt_ids for r in a] != [r.prompt_ids for r in c]
+
+
+def test_lengths_and_token_range():
+    reqs = build_requests(W, 1.0, seed=0, vocab_size=512)
+    lens = [len(r.prompt_ids) for r in reqs]
+    assert min(lens) >= 20 and max(lens) <= 40 and len(set(lens)) > 5
+    assert all(r.output_len == 7 for r in reqs)
+    ids = [t for r in reqs for t in r.prompt_ids]
+    assert min(ids) >= 10 and max(ids) < 512  # special ids below token_low are avoided
+    assert len({r.id for r in reqs}) == len(reqs)
+
+
+def test_arrivals_scale_with_rate_and_start_at_zero():
+    a1 = arrival_times({"kind": "poisson"}, 1.0, 1000, seed=0)
+    a4 = arrival_times({"kind": "poisson"}, 4.0, 1000, seed=0)
+    assert a1[0] == 0.0
+    assert np.allclose(np.array(a1) / 4, a4)  # same pattern, compressed
+    assert a1[-1] / 999 == pytest.approx(1.0, rel=0.1)  # mean gap 1/rate
+
+
+def test_constant_burst_and_inf():
+    assert arrival_times({"kind": "constant"}, 4.0, 4, 0) == [0.0, 0.25, 0.5, 0.75]
+    # bursts of 2 every 2/rate seconds: the mean rate is kept
+    assert arrival_times({"kind": "burst", "size": 2}, 2.0, 5, 0) == [0.0, 0.0, 1.0, 1.0, 2.0]
+    assert arrival_times({"kind": "poisson"}, math.inf, 3, 0) == [0.0, 0.0, 0.0]
+
+
+def test_gamma_burstiness_controls_spread():
+    smooth = np.diff(arrival_times({"kind": "gamma", "burstiness": 10.0}, 1.0, 4000, 0))
+    bursty = np.diff(arrival_times({"kind": "gamma", "burstiness": 0.25}, 1.0, 4000, 0))
+    assert smooth.mean() == pytest.approx(1.0, rel=0.1) and bursty.mean() == pytest.approx(1.0, rel=0.15)
+    assert np.std(smooth) < 0.5 < np.std(bursty)  # CV = 1/sqrt(burstiness)
+
+
+def test_rate_changes_arrivals_and_prompts_but_not_the_distribution():
+    a = build_requests(W, 1.0, 0, 512)
+    b = build_requests(W, 2.0, 0, 512)
+    # prompts differ per rate so a long-lived worker's prefix cache cannot hit the previous rate's prompts
+    assert a[0].prompt_ids != b[0].prompt_ids
+    assert a[1].arrival == pytest.approx(2 * b[1].arrival)
+
+
+def test_shared_prefix_groups():
+    w = dict(W, shared_prefix={"groups": 3, "len": 16, "share": 0.5})
+    reqs = build_requests(w, 1.0, 0, 512)
+    grouped = [r for r in reqs if r.prefix_group is not None]
+    assert 0.35 < len(grouped) / len(reqs) < 0.65
+    heads = {r.prefix_group: r.prompt_ids[:16] for r in grouped}
+    assert len(heads) == 3
+    for r in grouped:
+        assert r.prompt_ids[:16] == heads[r.prefix_group]
+        assert 20 <= len(r.prompt_ids) <= 40  # the prefix is part of the input length
+    other_rate = build_requests(w, 4.0, 0, 512)
+    for r in other_rate:
+        if r.prefix_group is not None:
+            assert r.prompt_ids[:16] == heads[r.prefix_group]  # same prefixes at every rate
+
+
+def test_dataset_ids_and_text(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text(json.dumps({"prompt_ids": [11, 12, 13], "output_len": 5}) + "\n\n"
+                 + json.dumps({"prompt": "a b", "output_len": 2}) + "\n")
+    rows = load_dataset(str(p), tokenizer=lambda s: [100 + len(w) for w in s.split()])
+    assert rows == [{"prompt_ids": [11, 12, 13], "output_len": 5}, {"prompt_ids": [101, 101], "output_len": 2}]
+    w = dict(W, requests=4, dataset=str(p), input_len={"kind": "dataset"}, output_len={"kind": "dataset"})
+    reqs = build_requests(w, 1.0, 0, 512, tokenizer=lambda s: [100 + len(x) for x in s.split()])
+    pairs = sorted((tuple(r.prompt_ids), r.output_len) for r in reqs)
+    assert pairs == [((11, 12, 13), 5)] * 2 + [((101, 101), 2)] * 2  # each line once before any repeats
+
+
+def test_dataset_errors(tmp_path):
+    p = tmp_path / "d.jsonl"
+    p.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(WorkloadError, match="tokenizer"):
+        load_dataset(str(p))
+    p.write_text('{"prompt_ids": [1, 9999]}\n')
+    with pytest.raises(WorkloadError, match="outside the vocabulary"):
+        load_dataset(str(p), vocab_size=512)
+    p.write_text('{"nope": 1}\n')
+    with pytest.raises(WorkloadError, match=":1: expected prompt_ids or prompt"):
+        load_dataset(str(p))
+
+
+def test_token_range_must_fit_vocab():
+    with pytest.raises(WorkloadError):
+        build_requests(dict(W, token_high=1000), 1.0, 0, 512)
+
+
+def test_warmup_is_separate_and_immediate():
+    wu = build_warmup(W, 0, 512, n=2)
+    assert [r.arrival for r in wu] == [0.0, 0.0]
+    assert wu[0].id.startswith("warmup-")
+    assert wu[0].prompt_ids != build_requests(W, math.inf, 0, 512)[0].prompt_ids
+
+
+def test_rate_tag():
+    assert [rate_tag(r) for r in (2.0, 0.5, math.inf, 12.0)] == ["2", "0.5", "inf", "12"]

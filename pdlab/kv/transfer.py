@@ -1,0 +1,185 @@
+"""KV hand-over between a prefill worker's pool and a decode worker's pool.
+
+A pool is a tensor [layers, 2, blocks, block_size, kv_heads, head_dim]. A hand-over copies a
+request's blocks from the prefill pool into the blocks the decode worker reserved for it. The peer's
+pool is opened once through a transport-specific handle exchanged at start-up:
+
+- `shm`      CPU pools live in /dev/shm; the peer maps the segment (pdlab.kv.shm).
+- `cuda-ipc` GPU pools exported with CUDA IPC handles; a device or peer copy (pdlab.kv.cuda_ipc).
+- `host`     GPU pools, each with a pinned shared host mirror; the GPU side stages D2H / H2D.
+
+Modes: `pull` - the decode worker reads the prefill pool after prefill finished; `push` - the prefill
+worker writes each layer into the decode pool as the layer is computed (see PushCopier).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Optional, Sequence
+
+import torch
+
+from pdlab.kv import shm
+
+TRANSPORTS = ("shm", "cuda-ipc", "host", "nixl")
+MODES = ("pull", "push")
+
+
+@dataclass
+class TransferRecord:
+    req_id: str
+    bytes: int
+    blocks: int
+    start: float  # time.monotonic()
+    end: float
+    transport: str
+    mode: str
+    src: str  # worker names
+    dst: str
+    saved_bytes: int = 0  # prefix-cache blocks the decode side already held, not sent
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def block_bytes(pool: torch.Tensor) -> int:
+    """Bytes of one block across every layer, K and V."""
+    return pool[:, :, 0].numel() * pool.element_size()
+
+
+def block_runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Split paired block lists into runs contiguous on both sides: [(src0, dst0, length)]."""
+    if len(src) != len(dst):
+        raise ValueError(f"block lists differ in length: {len(src)} source, {len(dst)} destination")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            s0, d0, n = runs[-1]
+            runs[-1] = (s0, d0, n + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+# With many short runs, one gather + one scatter beats hundreds of tiny copies.
+_MAX_RUNS = 16
+
+
+def copy_blocks(src_pool: torch.Tensor, src_blocks: Sequence[int], dst_pool: torch.Tensor,
+                dst_blocks: Sequence[int], layer: Optional[int] = None, non_blocking: bool = False) -> int:
+    """Copy blocks src_pool[..., src_blocks] -> dst_pool[..., dst_blocks], all layers or one.
+
+    Returns the bytes copied. Pools may sit on different devices (D2H / H2D / peer copies).
+    """
+    if src_pool.shape[0] != dst_pool.shape[0] or src_pool.shape[3:] != dst_pool.shape[3:]:
+        raise ValueError(f"pool shapes do not match: {tuple(src_pool.shape)} vs {tuple(dst_pool.shape)}")
+    if src_pool.dtype != dst_pool.dtype:
+        raise ValueError(f"pool dtypes differ: {src_pool.dtype} vs {dst_pool.dtype}")
+    if not src_blocks:
+        return 0
+    src = src_pool if layer is None else src_pool[layer : layer + 1]
+    dst = dst_pool if layer is None else dst_pool[layer : layer + 1]
+    runs = block_runs(src_blocks, dst_blocks)
+    if len(runs) <= _MAX_RUNS or src.device != dst.device:
+        for s, d, n in runs:
+            dst[:, :, d : d + n].copy_(src[:, :, s : s + n], non_blocking=non_blocking)
+    else:
+        si = torch.tensor(list(src_blocks), device=src.device)
+        di = torch.tensor(list(dst_blocks), device=dst.device)
+        dst.index_copy_(2, di, src.index_select(2, si))
+    return len(src_blocks) * src[:, :, 0].numel() * src.element_size()
+
+
+class Transport:
+    """One worker's end of a transport: places its pool, exports a handle, opens peers' pools."""
+
+    name = "base"
+
+    def __init__(self, worker: str):
+        self.worker = worker
+        self.pool: Optional[torch.Tensor] = None
+        self._peers: dict[str, torch.Tensor] = {}
+
+    def kv_alloc(self, shape: Sequence[int], dtype: torch.dtype, device: object = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def export(self) -> dict:
+        """A plain-data handle of the pool (or its exchange area) that peers pass to `open`."""
+        raise NotImplementedError
+
+    def _open(self, handle: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def open(self, handle: dict) -> torch.Tensor:
+        """The peer's exchange tensor, mapped once and cached by name."""
+        key = handle["name"]
+        if key not in self._peers:
+            self._peers[key] = self._open(handle)
+        return self._peers[key]
+
+    def exchange(self) -> torch.Tensor:
+        """What peers read from / write into: the pool itself, or its host mirror."""
+        assert self.pool is not None
+        return self.pool
+
+    def stage_out(self, blocks: Sequence[int]) -> None:
+        """Make `blocks` of the pool readable by peers (host: D2H into the mirror). Pull, prefill side."""
+
+    def stage_in(self, blocks: Sequence[int]) -> None:
+        """Move `blocks` written by a peer into the pool (host: H2D from the mirror). Push, decode side."""
+
+    def sync(self) -> None:
+        """Wait until copies issued so far are complete."""
+
+    def close(self) -> None:
+        self._peers.clear()
+
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    def __init__(self, worker: str, segment_name: str):
+        super().__init__(worker)
+        self.alloc = shm.ShmAllocator(segment_name)
+
+    def kv_alloc(self, shape: Sequence[int], dtype: torch.dtype, device: object = None) -> torch.Tensor:
+        self.pool = self.alloc(shape, dtype)
+        return self.pool
+
+    def export(self) -> dict:
+        seg = self.alloc.segment
+        assert seg is not None, "pool not allocated yet"
+        return {"kind": "shm", "name": seg.name, "shape": list(seg.shape), "dtype": str(seg.dtype).split(".")[-1]}
+
+    def _open(self, handle: dict) -> torch.Tensor:
+        return shm.attach(handle["name"], handle["shape"], getattr(torch, handle["dtype"])).tensor
+
+    def close(self) -> None:
+        super().close()
+        if self.alloc.segment is not None:
+            self.alloc.segment.unlink()
+
+
+def make_transport(name: str, worker: str, run_prefix: str, device: str = "cpu",
+                   visible: Sequence[int] = ()) -> Transport:
+    """The transport end for one worker. `run_prefix` names its shared segments (swept on stop)."""
+    if name == "shm":
+        return ShmTransport(worker, f"{run_prefix}{worker}-kv")
+    if name in ("cuda-ipc", "host"):
+        from pdlab.kv.cuda_ipc import CudaIpcTransport, HostTransport
+
+        if name == "cuda-ipc":
+            return CudaIpcTransport(worker, device, visible)
+        return HostTransport(worker, device, f"{run_prefix}{worker}-host")
+    raise ValueError(f"transport {name!r} is not available here (known: shm, cuda-ipc, host)")
+
+
+def timed_copy(src_pool: torch.Tensor, src_blocks: Sequence[int], dst_pool: torch.Tensor,
+               dst_blocks: Sequence[int], sync=None) -> tuple[int, float, float]:
+    """copy_blocks with monotonic start/end (after `sync`, for device copies)."""
+    t0 = time.monotonic()
+    n = copy_blocks(src_pool, src_blocks, dst_pool, dst_blocks)
+    if sync is not None:
+        sync()
+    return n, t0, time.monotonic()

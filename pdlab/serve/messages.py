@@ -1,0 +1,221 @@
+"""Control messages between the router (main process) and workers.
+
+Every message is a typed dataclass, sent as msgpack `[type_name, {field: value}]` of plain data
+(ints, floats, strings, lists, dicts). Never pickle: decoding a frame can only build one of the
+dataclasses registered here, and it rejects unknown types, missing or extra fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Optional
+
+import msgpack
+
+MESSAGES: dict[str, type] = {}
+
+
+def message(cls: type) -> type:
+    cls = dataclass(cls)
+    MESSAGES[cls.__name__] = cls
+    return cls
+
+
+class MessageError(ValueError):
+    """A frame that is not a valid pdlab message."""
+
+
+# ---- router -> worker ---------------------------------------------------------------------------
+
+
+@message
+class Submit:
+    """A new request for a unified or prefill worker. In push mode `push` names the decode blocks
+    reserved for it: {"dst": worker, "pool": pool name, "blocks": [...], "skip": cached blocks}."""
+
+    req_id: str
+    prompt_ids: list
+    params: dict
+    push: Optional[dict] = None
+
+
+@message
+class Reserve:
+    """Push mode: a decode worker reserves blocks for a request before its prefill runs."""
+
+    req_id: str
+    prompt_ids: list
+    params: dict
+
+
+@message
+class Pull:
+    """Pull mode: reserve, read the KV from the prefill worker's pool `src_pool`, then admit."""
+
+    req_id: str
+    prompt_ids: list
+    params: dict
+    first_token: int
+    src: str
+    src_pool: str
+    src_blocks: list
+
+
+@message
+class Admit:
+    """Push mode: the KV is in the reserved blocks; start decoding with `first_token`."""
+
+    req_id: str
+    first_token: int
+
+
+@message
+class Release:
+    """Prefill worker: the decode side has the KV, free the request's blocks."""
+
+    req_id: str
+
+
+@message
+class Abort:
+    """Drop a request wherever it is (running, handed off, reserved)."""
+
+    req_id: str
+
+
+@message
+class Query:
+    """Ask for a `Stats` reply (free blocks etc.)."""
+
+    token: int = 0
+
+
+@message
+class ResetPrefixCache:
+    token: int = 0
+
+
+@message
+class Stop:
+    pass
+
+
+# ---- worker -> router ---------------------------------------------------------------------------
+
+
+@message
+class Ready:
+    worker: str
+    pid: int
+    pool: Optional[dict]  # {"name", "shape", "dtype"} when the pool is attachable, else None
+    kv_blocks: int
+    block_size: int
+
+
+@message
+class Tokens:
+    """Tokens sampled in one step: items are [req_id, token_id, index, finished]."""
+
+    worker: str
+    items: list
+
+
+@message
+class Step:
+    worker: str
+    record: dict
+
+
+@message
+class PrefillDone:
+    """A prefill worker sampled the first token; its blocks stay held until `Release`.
+    `transfer` is the push record when the KV was already written to the decode pool."""
+
+    worker: str
+    req_id: str
+    first_token: int
+    blocks: list
+    cached_tokens: int
+    prefill_start: float
+    prefill_end: float
+    transfer: Optional[dict] = None
+
+
+@message
+class Reserved:
+    worker: str
+    req_id: str
+    blocks: list  # blocks to fill, in order
+    skip: int  # leading blocks the decode side already holds (prefix cache)
+
+
+@message
+class Transferred:
+    """Decode worker: the KV arrived (pull: it read it; push: it admitted) and decoding started."""
+
+    worker: str
+    req_id: str
+    admitted: float
+    record: Optional[dict] = None
+
+
+@message
+class Finished:
+    worker: str
+    req_id: str
+    ok: bool
+    error: str = ""
+    output_ids: list = field(default_factory=list)
+    cached_tokens: int = 0
+
+
+@message
+class Stats:
+    worker: str
+    token: int
+    free_blocks: int
+    total_blocks: int
+    running: int
+    waiting: int
+    held: int  # requests holding blocks outside the scheduler (handed off / reserved)
+
+
+@message
+class Heartbeat:
+    worker: str
+    t: float
+    loop_t: float  # last time the main loop went round (a stale one means a hung step)
+
+
+@message
+class Fatal:
+    worker: str
+    reason: str
+
+
+def encode(msg: Any) -> bytes:
+    name = type(msg).__name__
+    if MESSAGES.get(name) is not type(msg):
+        raise MessageError(f"not a pdlab message: {type(msg)!r}")
+    return msgpack.packb([name, asdict(msg)], use_bin_type=True)
+
+
+def decode(frame: bytes) -> Any:
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types for bad input
+        raise MessageError(f"undecodable frame: {e}") from None
+    if not (isinstance(obj, list) and len(obj) == 2 and isinstance(obj[0], str) and isinstance(obj[1], dict)):
+        raise MessageError("frame is not [type, fields]")
+    name, body = obj
+    cls = MESSAGES.get(name)
+    if cls is None:
+        raise MessageError(f"unknown message type {name!r}")
+    names = {f.name for f in fields(cls)}
+    extra = set(body) - names
+    if extra:
+        raise MessageError(f"{name}: unknown fields {sorted(extra)}")
+    try:
+        return cls(**body)
+    except TypeError as e:
+        raise MessageError(f"{name}: {e}") from None

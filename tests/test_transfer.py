@@ -1,0 +1,134 @@
+import pytest
+import torch
+
+from pdlab.kv import shm, transfer
+from pdlab.kv.push import PushCopier, PushJob
+from pdlab.kv.transfer import ShmTransport, block_bytes, block_runs, copy_blocks, make_transport
+
+SHAPE = (3, 2, 16, 4, 2, 8)
+
+
+def _pool(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(SHAPE, generator=g)
+
+
+def test_block_runs():
+    assert block_runs([0, 1, 2, 7, 8], [5, 6, 7, 1, 2]) == [(0, 5, 3), (7, 1, 2)]
+    assert block_runs([3, 4], [9, 3]) == [(3, 9, 1), (4, 3, 1)]
+    assert block_runs([], []) == []
+    with pytest.raises(ValueError):
+        block_runs([1], [])
+
+
+@pytest.mark.parametrize("max_runs", [16, 1])  # 1: every multi-run copy takes the gather/scatter path
+@pytest.mark.parametrize("src,dst", [
+    ([0, 1, 2, 3], [8, 9, 10, 11]),  # one run
+    ([5, 2, 9], [0, 7, 3]),  # scattered
+    (list(range(0, 16, 2)) + list(range(1, 16, 2)), list(reversed(range(16)))),  # 16 runs
+])
+def test_copy_blocks_moves_exactly_those_blocks(src, dst, max_runs, monkeypatch):
+    monkeypatch.setattr(transfer, "_MAX_RUNS", max_runs)
+    a, b = _pool(0), _pool(1)
+    before = b.clone()
+    n = copy_blocks(a, src, b, dst)
+    assert n == len(src) * block_bytes(a)
+    for s, d in zip(src, dst):
+        assert torch.equal(b[:, :, d], a[:, :, s])
+    untouched = [i for i in range(16) if i not in dst]
+    assert torch.equal(b[:, :, untouched], before[:, :, untouched])
+
+
+def test_copy_one_layer_at_a_time_equals_whole_copy():
+    a = _pool(0)
+    whole, layered = torch.zeros(SHAPE), torch.zeros(SHAPE)
+    copy_blocks(a, [1, 2, 6], whole, [3, 4, 0])
+    for layer in range(SHAPE[0]):
+        copy_blocks(a, [1, 2, 6], layered, [3, 4, 0], layer=layer)
+    assert torch.equal(whole, layered)
+
+
+def test_copy_rejects_mismatched_pools():
+    with pytest.raises(ValueError, match="shapes"):
+        copy_blocks(torch.zeros(2, 2, 4, 4, 2, 8), [0], torch.zeros(3, 2, 4, 4, 2, 8), [0])
+    with pytest.raises(ValueError, match="dtypes"):
+        copy_blocks(torch.zeros(SHAPE), [0], torch.zeros(SHAPE, dtype=torch.float16), [0])
+
+
+def test_shm_transport_export_open_round_trip():
+    prefix = shm.new_name("tt") + "-"
+    p = make_transport("shm", "prefill0", prefix)
+    d = make_transport("shm", "decode0", prefix)
+    try:
+        pool_p = p.kv_alloc(SHAPE, torch.float32)
+        pool_d = d.kv_alloc(SHAPE, torch.float32)
+        pool_p.copy_(_pool(3))
+        h = p.export()
+        assert h["kind"] == "shm" and h["name"].startswith(prefix)
+        # pull: decode reads prefill's pool
+        copy_blocks(d.open(h), [4, 5], pool_d, [0, 1])
+        assert torch.equal(pool_d[:, :, :2], pool_p[:, :, 4:6])
+        # push: prefill writes decode's pool
+        peer = p.open(d.export())
+        copy_blocks(pool_p, [7], peer, [9])
+        assert torch.equal(pool_d[:, :, 9], pool_p[:, :, 7])
+        assert d.open(h) is d.open(h)  # mapped once
+    finally:
+        p.close()
+        d.close()
+    assert shm.sweep(prefix) == []  # close unlinked both
+
+
+def test_unknown_transport():
+    with pytest.raises(ValueError, match="not available"):
+        make_transport("nixl", "x", "pdlab-x-")
+
+
+def test_push_copier_copies_every_layer():
+    src, dst = _pool(0), torch.zeros(SHAPE)
+    cp = PushCopier(src)
+    try:
+        job = PushJob("r1", [2, 3, 4], dst, [10, 11, 12])
+        cp.begin([job])
+        for layer in range(SHAPE[0]):
+            cp.on_layer(layer)
+        (done,) = cp.finish(timeout=10)
+        assert done.error is None and done.bytes == 3 * block_bytes(src)
+        assert done.end >= done.start > 0
+        assert torch.equal(dst[:, :, 10:13], src[:, :, 2:5])
+        cp.begin([])  # a step with nothing to push
+        cp.on_layer(0)
+        assert cp.finish(timeout=1) == []
+    finally:
+        cp.close()
+
+
+def test_push_copier_reports_a_step_that_never_ran():
+    cp = PushCopier(_pool(0))
+    try:
+        cp.begin([PushJob("r1", [0], torch.zeros(SHAPE), [0])])
+        (job,) = cp.finish(timeout=0.1)
+        assert "did not finish" in job.error
+    finally:
+        cp.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_ipc_and_host_in_process():
+    from pdlab.kv.cuda_ipc import CudaIpcTransport, HostTransport
+
+    t = CudaIpcTransport("p", "cuda:0", [0])
+    pool = t.kv_alloc(SHAPE, torch.float16)
+    h = t.export()
+    assert h["kind"] == "cuda-ipc" and isinstance(h["handle"], bytes)
+    host = HostTransport("d", "cuda:0", shm.new_name("host"))
+    try:
+        hp = host.kv_alloc(SHAPE, torch.float16)
+        pool.normal_()
+        copy_blocks(pool, [1, 2], host.exchange(), [5, 6], non_blocking=True)
+        torch.cuda.synchronize()
+        host.stage_in([5, 6])
+        assert torch.equal(hp[:, :, 5:7], pool[:, :, 1:3])
+    finally:
+        host.close()

@@ -43,8 +43,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _chunk(self, seq: Sequence, budget: int) -> int:
-        remaining = seq.num_tokens - seq.num_computed
+    def _chunk(self, seq: Sequence, budget: int, computed: int | None = None) -> int:
+        remaining = seq.num_tokens - (seq.num_computed if computed is None else computed)
         if self.config.chunked_prefill:
             return min(remaining, self.config.chunk_size, budget)
         # Unchunked: a prompt goes in whole, or waits for a step with room. One longer than the whole
@@ -81,14 +81,20 @@ class Scheduler:
             return batch
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
             seq = self.waiting[0]
-            if not seq.block_table and seq.num_computed == 0:
-                self._match_prefix(seq)
-            n = 1 if seq.is_decode else self._chunk(seq, budget)
-            if n == 0 or not self.blocks.can_allocate(seq, seq.num_computed + n):
-                if not self.running and not batch.seqs:
-                    self._fail_if_too_big(seq, batch)
+            hits = self._prefix_hits(seq)
+            computed = seq.num_computed + len(hits) * self.blocks.block_size
+            n = 1 if seq.is_decode else self._chunk(seq, budget, computed)
+            need = -(-(computed + n) // self.blocks.block_size) - len(seq.block_table) - len(hits)
+            reusable = sum(1 for b in hits if self.blocks.ref[b] == 0)  # counted in num_free until taken
+            if n == 0 or need > self.blocks.num_free - reusable:
+                self._fail_if_too_big(seq, batch)
                 break
             self.waiting.popleft()
+            if hits:
+                self.blocks.take_prefix(seq, hits)
+                seq.num_computed = computed
+            if seq.preemptions == 0 and not seq.is_decode:
+                seq.num_cached = seq.num_computed
             self.blocks.allocate(seq, seq.num_computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
@@ -97,14 +103,12 @@ class Scheduler:
             budget -= n
         return batch
 
-    def _match_prefix(self, seq: Sequence) -> None:
-        # At least the last prompt token is computed, so the request has logits to sample from.
-        hits = self.blocks.match_prefix(seq.prompt_ids + seq.output_ids, seq.num_tokens - 1)
-        if hits:
-            self.blocks.take_prefix(seq, hits)
-            seq.num_computed = len(hits) * self.blocks.block_size
-        if seq.preemptions == 0:
-            seq.num_cached = seq.num_computed
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Cached blocks for a request not yet holding any. At least the last token is always
+        computed, so the request has logits to sample from."""
+        if seq.block_table or seq.num_computed:
+            return []
+        return self.blocks.match_prefix(seq.prompt_ids + seq.output_ids, seq.num_tokens - 1)
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         if seq in batch.seqs:  # already handed tokens this step: take them back
@@ -117,14 +121,13 @@ class Scheduler:
         seq.preemptions += 1
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)
-        if not self.running and not batch.seqs:
-            self._fail_if_too_big(seq, batch)
+        self._fail_if_too_big(seq, batch)
 
     def _fail_if_too_big(self, seq: Sequence, batch: ScheduledBatch) -> None:
-        """With the pool otherwise empty, a request that still does not fit never will."""
-        if self.blocks.blocks_needed(seq, seq.num_tokens) > self.blocks.num_free:
-            if self.waiting and self.waiting[0] is seq:
-                self.waiting.popleft()
+        """A request needing more blocks than the whole pool never fits: fail it rather than wait forever."""
+        if -(-seq.num_tokens // self.blocks.block_size) > self.blocks.num_blocks:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
             if seq in batch.preempted:
                 batch.preempted.remove(seq)
             self.blocks.release(seq)

@@ -1,0 +1,178 @@
+"""Request records and the metrics of DESIGN.md (Measurement), computed from records only.
+
+Records keep seconds on the router's monotonic clock; summaries report latencies in milliseconds.
+Statistics are mean / p50 / p90 / p99 / max with numpy's default percentile (linear interpolation),
+as `vllm bench serve` computes them. Latency statistics cover successful requests; ITL statistics
+pool every gap of every successful request (vLLM does the same).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Iterable, Optional
+
+import numpy as np
+
+from pdlab.measure.attribution import PARTS, attribute_gaps, interference_summary, ttft_parts
+from pdlab.measure.slo import MISS_KINDS, goodput, miss_kind, request_slo
+
+STAT_KEYS = ("mean", "p50", "p90", "p99", "max")
+
+
+def stats(values: Iterable[float], scale: float = 1.0) -> dict:
+    """mean/p50/p90/p99/max of `values` times `scale` (None for each when empty), plus the count."""
+    v = np.asarray([x for x in values if x is not None], dtype=float) * scale
+    if v.size == 0:
+        return {k: None for k in STAT_KEYS} | {"n": 0}
+    out = {"mean": float(v.mean()), "max": float(v.max()), "n": int(v.size)}
+    for q in (50, 90, 99):
+        out[f"p{q}"] = float(np.percentile(v, q))
+    return {k: out[k] for k in (*STAT_KEYS, "n")}
+
+
+def as_rate(rate: Any) -> float:
+    """Rates travel as numbers, or as the string "inf" in JSON (JSON has no infinity)."""
+    return math.inf if isinstance(rate, str) and rate.lower() in ("inf", "infinity") else float(rate)
+
+
+def timings(arrival: float, token_times: list[float]) -> dict:
+    """TTFT, E2EL, TPOT and the ITL gaps (seconds) of one request.
+
+    TTFT = first token - arrival; E2EL = last token - arrival; ITL = consecutive gaps;
+    TPOT = (E2EL - TTFT) / (output tokens - 1), None with a single token.
+    """
+    if not token_times:
+        return {"ttft": None, "e2el": None, "tpot": None, "itl": []}
+    ttft = token_times[0] - arrival
+    e2el = token_times[-1] - arrival
+    n = len(token_times)
+    return {"ttft": ttft, "e2el": e2el, "tpot": (e2el - ttft) / (n - 1) if n > 1 else None,
+            "itl": [b - a for a, b in zip(token_times, token_times[1:])]}
+
+
+def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list[int], output_ids: list[int],
+                         arrival: float, token_times: list[float], slo: dict, error: Optional[str] = None,
+                         phases: Optional[dict] = None, workers: Optional[dict] = None, cached_tokens: int = 0,
+                         warmup: bool = False) -> dict:
+    """One requests.jsonl line from what the router collected: raw timestamps in, metrics and SLO verdict out.
+
+    `workers`: {"prefill": name, "decode": name} (unified: the same name for both, or {"unified": name}).
+    A request is ok when it has no error and at least one token.
+    """
+    workers = workers or {}
+    t = timings(arrival, token_times)
+    ok = error is None and len(token_times) > 0
+    rec = {"variant": variant, "rate": rate, "id": id, "prompt_len": len(prompt_ids),
+           "output_len": len(output_ids), "cached_tokens": int(cached_tokens or 0), "arrival": arrival,
+           "token_times": list(token_times), "ttft": t["ttft"], "e2el": t["e2el"], "tpot": t["tpot"],
+           "itl": t["itl"], "prompt_ids": list(prompt_ids), "output_ids": list(output_ids), "ok": ok,
+           "error": error}
+    rec.update(request_slo(ok, t["ttft"], t["itl"], slo))
+    rec["prefill_worker"] = workers.get("prefill", workers.get("unified"))
+    rec["decode_worker"] = workers.get("decode", workers.get("unified"))
+    rec["phases"] = dict(phases or {})
+    if warmup:
+        rec["warmup"] = True
+    return rec
+
+
+def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict], slo: dict) -> dict:
+    """The metrics of one (variant, rate), recomputed from raw fields (arrival, token_times, ok).
+
+    Warm-up records (`warmup: true`) are ignored. Duration runs from the first arrival to the last token.
+    """
+    reqs = [r for r in requests if not r.get("warmup")]
+    sent = len(reqs)
+    per = []
+    for r in reqs:
+        ok = bool(r.get("ok")) and bool(r.get("token_times"))
+        t = timings(r["arrival"], r.get("token_times") or [])
+        v = dict(r, ok=ok, **t, **request_slo(ok, t["ttft"], t["itl"], slo))
+        per.append(v)
+    good = [r for r in per if r["ok"]]
+    met = sum(1 for r in per if r["slo_ok"])
+    misses = {k: 0 for k in MISS_KINDS}
+    for r in per:
+        k = miss_kind(r)
+        if k:
+            misses[k] += 1
+    start = min((r["arrival"] for r in per), default=None)
+    end = max((r["token_times"][-1] for r in good), default=None)
+    duration = (end - start) if start is not None and end is not None and end > start else None
+    out_tokens = sum(len(r["token_times"]) for r in good)
+    in_tokens = sum(int(r.get("prompt_len") or 0) for r in good)
+
+    def per_s(x: float) -> Optional[float]:
+        return x / duration if duration else None
+
+    parts = [ttft_parts(r["arrival"], r["token_times"][0], r.get("phases")) for r in good]
+    gaps = attribute_gaps(good, steps, slo["itl_ms"])
+    xfer_ms = [(x["end"] - x["start"]) for x in transfers]
+    cached = sum(int(r.get("cached_tokens") or 0) for r in good)
+    return {
+        "sent": sent, "completed": len(good), "failed": sent - len(good),
+        "slo_met": met, "attainment": met / sent if sent else None,
+        "misses": misses,
+        "duration_s": duration,
+        "slo_met_per_s": per_s(met), "request_throughput": per_s(len(good)),
+        "output_tok_s": per_s(out_tokens), "total_tok_s": per_s(out_tokens + in_tokens),
+        "output_tokens": out_tokens, "input_tokens": in_tokens,
+        "cached_tokens": cached, "prefix_hit_rate": cached / in_tokens if in_tokens else None,
+        "ttft_ms": stats((r["ttft"] for r in good), 1000.0),
+        "tpot_ms": stats((r["tpot"] for r in good), 1000.0),
+        "itl_ms": stats((g for r in good for g in r["itl"]), 1000.0),
+        "e2el_ms": stats((r["e2el"] for r in good), 1000.0),
+        "ttft_parts_ms": {p: stats((x[p] for x in parts), 1000.0) for p in PARTS},
+        "interference": interference_summary(gaps, good),
+        "transfers": {"count": len(transfers), "bytes": sum(int(x.get("bytes") or 0) for x in transfers),
+                      "saved_bytes": sum(int(x.get("saved_bytes") or 0) for x in transfers),
+                      "ms": stats(xfer_ms, 1000.0)},
+        "steps": len(steps),
+    }
+
+
+def _group(records: list[dict]) -> dict[tuple[str, float], list[dict]]:
+    g: dict[tuple[str, float], list[dict]] = defaultdict(list)
+    for r in records:
+        g[(r["variant"], as_rate(r["rate"]))].append(r)
+    return g
+
+
+def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict], slo: dict,
+                  grid: Optional[dict[str, list[float]]] = None, partial: bool = False,
+                  reason: Optional[str] = None) -> dict:
+    """summary.json: per variant and rate the metrics; per variant goodput with its rate grid.
+
+    `grid` (variant -> rates, in run order) lists what was planned, so a rate cut short still shows up;
+    by default the (variant, rate) pairs found in the records are used. Rates are keyed by their text
+    ("2", "0.5", "inf"). The saturation block is the `inf` rate's throughput when it was measured.
+    """
+    from pdlab.workload import rate_tag
+
+    rq, st, tr = _group(requests), _group(steps), _group(transfers)
+    if grid is None:
+        grid = {}
+        for v, r in rq:
+            grid.setdefault(v, [])
+            if r not in grid[v]:
+                grid[v].append(r)
+    variants: dict[str, Any] = {}
+    for v, rates in grid.items():
+        per_rate = {}
+        for rate in rates:
+            rate = as_rate(rate)
+            if (v, rate) not in rq:
+                continue
+            s = summarize_rate(rq[(v, rate)], st.get((v, rate), []), tr.get((v, rate), []), slo)
+            per_rate[rate_tag(rate)] = {"rate": rate_tag(rate) if math.isinf(rate) else rate, **s}
+        points = [(as_rate(x["rate"]), x["attainment"]) for x in per_rate.values() if x["attainment"] is not None]
+        sat = per_rate.get("inf")
+        variants[v] = {
+            "rates": per_rate,
+            "goodput": goodput(points, slo["attainment"]),
+            "saturation": None if sat is None else {k: sat[k] for k in ("output_tok_s", "total_tok_s",
+                                                                          "request_throughput", "duration_s")},
+        }
+    return {"slo": dict(slo), "percentiles": "numpy linear interpolation", "latency_unit": "ms",
+            "partial": bool(partial), "reason": reason, "variants": variants}

@@ -89,6 +89,8 @@ def load_model(spec: Union[str, dict], dtype: str = "float32", device: str = "cp
         dtype = spec.get("dtype", dtype)
         device = spec.get("device", device)
         seed = spec.get("seed", seed)
+        if spec.get("preset") is not None:
+            preset_config(spec["preset"])  # unknown preset: say so, rather than look on disk
         spec = spec.get("preset") or spec.get("path") or ""
     if not spec:
         raise ModelLoadError("model: give a preset name or a local model directory")

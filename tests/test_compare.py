@@ -1,0 +1,123 @@
+"""compare / plots on synthetic run directories: unified has ITL misses from prefill interruptions,
+disaggregated trades them for TTFT misses."""
+
+import io
+import json
+import math
+import os
+
+import pytest
+
+from pdlab.commands.compare import main
+from pdlab.measure.metrics import build_request_record, summarize_run
+from pdlab.measure.records import RunDir, load_run
+from pdlab.report.compare import compare, describe_deployment, render
+
+SLO = {"ttft_ms": 100.0, "itl_ms": 50.0, "itl_stat": "max", "attainment": 0.9}
+DEPS = {"unified": {"unified": {"replicas": 1, "devices": ["cpu:0"]}},
+        "disagg": {"prefill": {"replicas": 1, "devices": ["cpu:0"]}, "decode": {"replicas": 1, "devices": ["cpu:1"]},
+                   "transport": "shm", "mode": "push"}}
+
+
+def make_run(path, itl_bad=(0, 3, 10), ttft_bad=(0, 0, 10), out_tok_gap=0.02):
+    """10 requests per rate; at rate index i, unified has itl_bad[i] requests with a 200 ms gap (over a
+    prefill step), disagg has ttft_bad[i] requests with a 300 ms TTFT."""
+    reqs, steps = [], []
+    for v in ("unified", "disagg"):
+        for i, rate in enumerate([1.0, 2.0, math.inf]):
+            base = 100.0 * (i + 1) + (0 if v == "unified" else 1000)
+            for k in range(10):
+                a = base + k
+                first = a + (0.3 if v == "disagg" and k < ttft_bad[i] else 0.05)
+                times = [first, first + out_tok_gap, first + 2 * out_tok_gap]
+                worker = "unified-0" if v == "unified" else "decode-0"
+                if v == "unified" and k < itl_bad[i]:
+                    times[2] = times[1] + 0.2
+                    steps.append({"variant": v, "rate": rate, "worker": worker, "role": "unified",
+                                  "start": times[1] + 0.01, "end": times[2] - 0.01, "prefill_tokens": 1500,
+                                  "decode_seqs": 1})
+                reqs.append(build_request_record(
+                    variant=v, rate=rate, id=f"{k}", prompt_ids=[3] * 20, output_ids=[4] * 3, arrival=a,
+                    token_times=times, slo=SLO, workers={"unified": worker} if v == "unified" else
+                    {"prefill": "prefill-0", "decode": worker}))
+    with RunDir(str(path)) as rd:
+        rd.write_recipe({"name": "synthetic", "slo": SLO, "rates": [1.0, 2.0, math.inf],
+                         "variants": {v: {"deployment": d} for v, d in DEPS.items()}})
+        rd.append("requests", reqs)
+        rd.append("steps", steps)
+        rd.write_summary(summarize_run(reqs, steps, [], SLO))
+    return str(path)
+
+
+def test_describe_deployment():
+    assert describe_deployment(DEPS["unified"]) == "unified 1x[cpu:0]"
+    assert describe_deployment(DEPS["disagg"]) == "1P[cpu:0] + 1D[cpu:1] shm push"
+
+
+def test_compare_rows_and_verdict(tmp_path):
+    res = compare([load_run(make_run(tmp_path / "r"))])
+    assert res["baseline"] == "unified" and res["rates"] == ["1", "2", "inf"] and res["focus_rate"] == "2"
+    u, d = res["rows"]
+    assert u["met"] == {"1": [10, 10], "2": [7, 10], "inf": [0, 10]}
+    assert (u["itl_misses"], u["ttft_misses"], u["prefill_interruptions"]) == (3, 0, 3)  # inf is not counted
+    assert (d["itl_misses"], d["ttft_misses"]) == (0, 0)
+    # unified: 1 -> 1.0, 2 -> 0.7: 1 + 0.1/0.3 = 1.333; disagg passes every finite rate: >= 2
+    assert u["goodput"] == pytest.approx(4 / 3) and d["goodput"] == 2.0 and d["goodput_lower_bound"]
+    assert d["relative_goodput"] == pytest.approx(1.5)
+    assert u["focus"]["itl_ms"]["p50"] == pytest.approx(20.0)
+    # saturation: unified ends at 9.27 s, disagg at 9.34 s (its TTFTs are 300 ms there): 30 tokens each, -0.75%
+    assert res["verdict"] == ["disagg vs unified: ITL misses 3 → 0, TTFT misses 0 → 0, throughput −1%, "
+                              "goodput 1.50×: disaggregation bought predictability, not capacity"]
+
+
+def test_verdict_when_unified_has_no_itl_problem(tmp_path):
+    res = compare([load_run(make_run(tmp_path / "r", itl_bad=(0, 0, 0), ttft_bad=(0, 5, 10)))])
+    assert "no ITL problem at these rates: the unified engine is enough" in res["verdict"][0]
+
+
+def test_two_runs_and_explicit_baseline(tmp_path):
+    runs = [load_run(make_run(tmp_path / "a")), load_run(make_run(tmp_path / "b", itl_bad=(0, 0, 0)))]
+    res = compare(runs, baseline="b/unified")
+    assert [r["label"] for r in res["rows"]] == ["a/unified", "a/disagg", "b/unified", "b/disagg"]
+    assert res["baseline"] == "b/unified"
+    with pytest.raises(ValueError, match="baseline 'nope' not found"):
+        compare(runs, baseline="nope")
+
+
+def test_render_prints_a_table(tmp_path):
+    from rich.console import Console
+
+    buf = io.StringIO()
+    render(compare([load_run(make_run(tmp_path / "r"))]), Console(file=buf, width=200))
+    text = buf.getvalue()
+    assert "7/10" in text and "1.50×" in text and "≥2.00" in text and "predictability" in text
+
+
+def test_command_json_and_errors(tmp_path, capsys):
+    run = make_run(tmp_path / "r")
+    assert main([run], None, True, None) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["rows"][1]["variant"] == "disagg"
+    assert main([str(tmp_path / "missing")], None, False, None) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pdlab compare: error:") and err.count("\n") == 1
+    assert main([run], "nope", False, None) == 2
+
+
+def test_compare_recomputes_a_missing_summary(tmp_path):
+    run = make_run(tmp_path / "r")
+    os.remove(os.path.join(run, "summary.json"))
+    res = compare([load_run(run)])
+    assert res["rows"][0]["partial"] and res["rows"][0]["met"]["2"] == [7, 10]
+
+
+def test_plots(tmp_path):
+    pytest.importorskip("matplotlib")
+    from pdlab.report.plots import write_compare_plots, write_plots
+
+    run = make_run(tmp_path / "r")
+    paths = write_plots(run)
+    assert [os.path.basename(p) for p in paths] == ["goodput.png", "latency_cdf.png", "itl_timeline.png"]
+    assert all(os.path.getsize(p) > 1000 for p in paths)
+    loaded = [load_run(run)]
+    assert os.path.exists(write_compare_plots(compare(loaded), loaded, str(tmp_path / "cmp"))[0])

@@ -121,3 +121,27 @@ def test_plots(tmp_path):
     assert all(os.path.getsize(p) > 1000 for p in paths)
     loaded = [load_run(run)]
     assert os.path.exists(write_compare_plots(compare(loaded), loaded, str(tmp_path / "cmp"))[0])
+
+
+def test_live_view_plain_lines_and_render():
+    from rich.console import Console
+
+    from pdlab.report.live import LiveView
+
+    out = io.StringIO()
+    view = LiveView(slo=SLO, live=False, out=out, line_interval_s=1e9)
+    view.plan("unified", 2.0, total=2)
+    view.update_worker("unified-0", role="unified", devices="cpu:0", running=1, waiting=2, kv_used=25,
+                       kv_total=100, steps=10, now=0.0)
+    view.update_worker("unified-0", steps=30, now=2.0)
+    r = {"ttft": 0.05, "itl": [0.02, 0.03], "slo_ok": True, "ok": True}
+    view.update_requests("unified", 2.0, sent=2, records=[r])
+    view.update_requests("unified", 2.0, records=[dict(r, slo_ok=False, ttft=0.25)])  # completes the rate
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2  # first line at once, then the completion line (interval not reached)
+    assert lines[-1].startswith("[unified @ 2 req/s] 2/2 done (2 sent)") and "SLO 50%" in lines[-1]
+    assert view.workers["unified-0"].steps_per_s == 10.0
+    buf = io.StringIO()
+    Console(file=buf, width=150).print(view.render())
+    text = buf.getvalue()
+    assert "unified-0" in text and "25%" in text and "1/2 (50%)" in text

@@ -109,6 +109,7 @@ class PushCopier:
                     j.end = end
             item.done.set()
 
+    @torch.inference_mode()  # the engine's step runs in inference mode; peers' pools may be opened there
     def _copy(self, item: _Layer) -> None:
         for j in item.jobs:
             if j.error is None:

@@ -31,7 +31,7 @@ class MessageError(ValueError):
 @message
 class Submit:
     """A new request for a unified or prefill worker. In push mode `push` names the decode blocks
-    reserved for it: {"dst": worker, "pool": pool name, "blocks": [...], "skip": cached blocks}."""
+    reserved for it: {"dst": worker, "pool": its pool handle, "blocks": [...], "skip": cached blocks}."""
 
     req_id: str
     prompt_ids: list
@@ -57,7 +57,7 @@ class Pull:
     params: dict
     first_token: int
     src: str
-    src_pool: str
+    src_pool: dict  # the prefill worker's exported pool handle
     src_blocks: list
 
 
@@ -118,6 +118,7 @@ class Tokens:
 
     worker: str
     items: list
+    t: float = 0.0  # worker send time (the "delivery" part of TTFT is router receive - t)
 
 
 @message
@@ -167,6 +168,7 @@ class Finished:
     error: str = ""
     output_ids: list = field(default_factory=list)
     cached_tokens: int = 0
+    phases: dict = field(default_factory=dict)  # worker-side timestamps (prefill_start, prefill_end)
 
 
 @message
@@ -177,7 +179,8 @@ class Stats:
     total_blocks: int
     running: int
     waiting: int
-    held: int  # requests holding blocks outside the scheduler (handed off / reserved)
+    requests: int  # requests the engine still knows (running, waiting, handed off, reserved)
+    leak: str = ""  # why the engine is not idle, when it has no requests but holds blocks
 
 
 @message

@@ -1,0 +1,211 @@
+"""The launcher: checks a deployment, spawns its workers, and drives them through the router.
+
+    with Cluster({"preset": "tiny-llama"}, {"kv_blocks": 64},
+                 {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "push"}) as c:
+        c.start()
+        c.submit("r1", [1, 2, 3], {"max_tokens": 8})
+        events = c.poll(1.0)      # TokenEvent, RequestDone, StepEvent, TransferEvent, WorkerFailed
+
+A bad deployment raises ClusterError before any process starts (see pdlab.serve.topology). `stop()`
+is idempotent and also runs on `__exit__`, at interpreter exit, and when start() fails: workers are
+told to stop, then terminated, then killed; sockets and the private socket directory are removed and
+the run's shared-memory segments swept, even those of a worker that died by SIGKILL.
+"""
+
+from __future__ import annotations
+
+import atexit
+import multiprocessing as mp
+import secrets
+import shutil
+import tempfile
+import time
+import weakref
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from pdlab.kv import shm
+from pdlab.serve import messages as m
+from pdlab.serve.router import (RequestDone, Router, StepEvent, TokenEvent, TransferEvent, WorkerFailed,
+                                WorkerState)
+from pdlab.serve.topology import ClusterError, plan
+from pdlab.serve.worker import WorkerSpec, run_worker
+
+__all__ = ["Cluster", "ClusterError", "WorkerInfo", "TokenEvent", "RequestDone", "StepEvent", "TransferEvent",
+           "WorkerFailed"]
+
+_live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+
+
+@dataclass
+class WorkerInfo:
+    name: str
+    role: str
+    devices: list[str]
+    pid: Optional[int] = None
+
+
+class Cluster:
+    def __init__(self, model: dict, engine: dict, deployment: dict, *, seed: int = 0, run_tmp: Optional[str] = None,
+                 heartbeat_timeout_s: float = 5.0, step_timeout_s: float = 300.0):
+        self.plan = plan(deployment)  # raises ClusterError: nothing has started yet
+        self.model, self.engine, self.seed = dict(model), dict(engine), seed
+        self.run_tmp = run_tmp
+        self.heartbeat_timeout_s, self.step_timeout_s = heartbeat_timeout_s, step_timeout_s
+        self.run_prefix = f"{shm.PREFIX}{secrets.token_hex(4)}-"
+        self.router: Optional[Router] = None
+        self._dir: Optional[str] = None
+        self._ctx: Any = None
+        self._sock: Any = None
+        self._stopped = False
+        self._token = 0
+
+    @property
+    def workers(self) -> list[WorkerInfo]:
+        procs = self.router.workers if self.router else {}
+        return [WorkerInfo(p.name, p.role, list(p.devices), getattr(procs.get(p.name), "proc", None) and
+                           procs[p.name].proc.pid) for p in self.plan.workers]
+
+    # ---- lifecycle ----
+    def start(self, timeout: float = 120) -> None:
+        import zmq
+
+        if self.router is not None:
+            raise ClusterError("cluster already started")
+        _live.add(self)
+        try:
+            self._dir = tempfile.mkdtemp(prefix="pdlab-", dir=self.run_tmp)  # mode 0700: only we can connect
+            endpoint = self.plan.control or f"ipc://{self._dir}/router"
+            self._ctx = zmq.Context()
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+            self._sock.setsockopt(zmq.LINGER, 0)
+            self._sock.bind(endpoint)
+            states = [WorkerState(p.name, p.role, list(p.devices)) for p in self.plan.workers]
+            d = self.plan
+            self.router = Router(self._sock, states, mode=d.mode, first_token=d.first_token,
+                                 transfer_timeout_s=d.transfer_timeout_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
+                                 step_timeout_s=self.step_timeout_s)
+            ctx = mp.get_context("spawn")
+            for p, w in zip(self.plan.workers, states):
+                spec = WorkerSpec(p.name, p.role, list(p.devices), endpoint, self.model, self.engine, self.seed,
+                                  d.transport if d.disaggregated else None, d.mode, self.run_prefix, d.first_token,
+                                  list(p.visible_gpus), d.transfer_timeout_s)
+                w.proc = ctx.Process(target=run_worker, args=(asdict(spec),), name=f"pdlab-{p.name}", daemon=True)
+                w.proc.start()
+                w.last_hb = time.monotonic() + 60  # grace for imports before the first heartbeat
+            self._wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        r = self.router
+        while not all(w.ready for w in r.workers.values()):
+            self._pump(min(0.1, max(0.0, deadline - time.monotonic())))
+            failed = [e for e in r.events if isinstance(e, WorkerFailed)]
+            if failed:
+                raise ClusterError(f"worker {failed[0].worker} failed to start: {failed[0].reason}")
+            if time.monotonic() > deadline:
+                late = [w.name for w in r.workers.values() if not w.ready]
+                raise ClusterError(f"workers not ready within {timeout:g}s: {', '.join(late)}")
+        r.events = [e for e in r.events if not isinstance(e, StepEvent)]
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop workers (Stop, then SIGTERM, then SIGKILL), close sockets, remove the run's files."""
+        if self._stopped:
+            return
+        self._stopped = True
+        procs = [w.proc for w in self.router.workers.values() if w.proc is not None and w.proc.pid is not None] \
+            if self.router else []
+        if self.router is not None:
+            for w in self.router.workers.values():
+                if w.proc is not None and w.proc.exitcode is None:
+                    self.router.send(w.name, m.Stop())
+        deadline = time.monotonic() + timeout / 2
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for sig in ("terminate", "kill"):
+            alive = [p for p in procs if p.exitcode is None]
+            for p in alive:
+                getattr(p, sig)()
+            for p in alive:
+                p.join(timeout / 4)
+        if self._sock is not None:
+            self._sock.close(0)
+        if self._ctx is not None:
+            self._ctx.term()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        shm.sweep(self.run_prefix)
+        _live.discard(self)
+
+    def __enter__(self) -> "Cluster":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()
+
+    # ---- requests ----
+    def submit(self, req_id: str, prompt_ids: list[int], params: dict) -> None:
+        self._running().submit(req_id, prompt_ids, params)
+
+    def poll(self, timeout: float) -> list[Any]:
+        """Events in arrival order; returns as soon as there are any, or after `timeout` seconds."""
+        r = self._running()
+        deadline = time.monotonic() + timeout
+        while True:
+            self._pump(min(0.05, max(0.0, deadline - time.monotonic())))
+            if r.events or time.monotonic() >= deadline:
+                events, r.events = r.events, []
+                return events
+
+    def _pump(self, wait_s: float) -> None:
+        """Read every frame that is there (waiting up to `wait_s` for the first), then check health."""
+        import zmq
+
+        r = self.router
+        if self._sock.poll(int(wait_s * 1000), zmq.POLLIN):
+            while True:
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(frames) == 2:
+                    try:
+                        r.dispatch(frames[1])
+                    except m.MessageError:
+                        pass  # not ours; never executed, just dropped
+        r.check_health()
+
+    def _running(self) -> Router:
+        if self.router is None or self._stopped:
+            raise ClusterError("cluster is not running (call start(); stop() ends it)")
+        return self.router
+
+    def reset_prefix_cache(self) -> None:
+        r = self._running()
+        for w in r.workers.values():
+            r.send(w.name, m.ResetPrefixCache())
+
+    def kv_stats(self, timeout: float = 10.0) -> dict[str, m.Stats]:
+        """Ask every live worker for its KV block counts (leak checks). Other events keep queueing."""
+        r = self._running()
+        self._token += 1
+        live = [w.name for w in r.workers.values() if w.failed is None]
+        for name in live:
+            r.stats.pop(name, None)
+            r.send(name, m.Query(self._token))
+        deadline = time.monotonic() + timeout
+        while not all(n in r.stats and r.stats[n].token == self._token for n in live):
+            if time.monotonic() > deadline:
+                raise ClusterError(f"no stats from {[n for n in live if n not in r.stats]} within {timeout:g}s")
+            self._pump(0.05)
+        return {n: r.stats[n] for n in live}
+
+
+@atexit.register
+def _stop_all() -> None:
+    for c in list(_live):
+        c.stop()

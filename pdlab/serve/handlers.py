@@ -1,0 +1,197 @@
+"""What a worker does with each message and each step's output, per role.
+
+unified: add requests, stream tokens.
+prefill: add requests; a request that sampled its first token is handed off (`PrefillDone`) and keeps its
+  blocks until `Release`. In push mode each layer's KV goes to the decode pool during the last step.
+decode: `Pull` (reserve, read the prefill pool, admit) or `Reserve` + `Admit` (push: the KV was written
+  by the prefill worker); requests without room wait here until `transfer_timeout_s`.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from pdlab.engine import RequestError, SamplingParams
+from pdlab.kv.push import PushCopier, PushJob
+from pdlab.kv.transfer import TransferRecord, copy_blocks
+from pdlab.serve import messages as m
+
+
+class RoleHandler:
+    def __init__(self, worker: Any):
+        self.w, self.eng, self.role = worker, worker.engine, worker.role
+        self.spec, self.transport = worker.spec, worker.transport
+        self.seqs: dict[str, Any] = {}  # engine Sequence objects, for their timestamps
+        self.push: dict[str, dict] = {}  # prefill, push mode: req -> decode blocks to write
+        self.pending: list[tuple[Any, float]] = []  # decode: Pull/Reserve waiting for room
+        self.reserved: dict[str, tuple[list[int], int]] = {}  # decode, push mode: req -> (blocks, skip)
+        self.copier: Optional[PushCopier] = None
+        if self.role == "prefill" and self.spec.mode == "push":
+            self.copier = PushCopier(self.eng.kv)
+            self.eng.layer_hook = self._layer_hook
+        self.cuda = self.eng.kv.device.type == "cuda"
+
+    # ---- messages ----
+    def handle(self, msg: Any) -> None:
+        if isinstance(msg, m.Submit):
+            try:
+                self.eng.add(msg.req_id, msg.prompt_ids, SamplingParams(**msg.params))
+            except (RequestError, TypeError) as e:
+                return self._fail(msg.req_id, str(e))
+            self.seqs[msg.req_id] = self.eng.sequence(msg.req_id)
+            if msg.push:
+                self.push[msg.req_id] = msg.push
+        elif isinstance(msg, (m.Pull, m.Reserve)):
+            self.pending.append((msg, time.monotonic()))
+            self.poll_pending()
+        elif isinstance(msg, m.Admit):
+            self._admit_pushed(msg)
+        elif isinstance(msg, m.Release):
+            if self.eng.sequence(msg.req_id) is not None:
+                self.eng.release(msg.req_id)
+            self._forget(msg.req_id)
+        elif isinstance(msg, m.Abort):
+            self.pending = [(p, t) for p, t in self.pending if p.req_id != msg.req_id]
+            self.reserved.pop(msg.req_id, None)
+            self.eng.abort(msg.req_id)
+            self._forget(msg.req_id)
+        elif isinstance(msg, m.Query):
+            self.w._send(self.w.stats(msg.token))
+        elif isinstance(msg, m.ResetPrefixCache):
+            self.eng.reset_prefix_cache()
+        else:
+            raise m.MessageError(f"{self.w.name}: unexpected {type(msg).__name__}")
+
+    def _forget(self, req_id: str) -> None:
+        self.seqs.pop(req_id, None)
+        self.push.pop(req_id, None)
+
+    def _fail(self, req_id: str, error: str) -> None:
+        self._forget(req_id)
+        self.w._send(m.Finished(self.w.name, req_id, False, error))
+
+    # ---- decode: KV in ----
+    def has_pending(self) -> bool:
+        return bool(self.pending)
+
+    def poll_pending(self) -> None:
+        """Try to reserve blocks for waiting hand-overs, oldest first; time out those that wait too long."""
+        still = []
+        for i, (msg, t0) in enumerate(self.pending):
+            try:
+                first = msg.first_token if isinstance(msg, m.Pull) else 0  # push: set at Admit
+                r = self.eng.reserve(msg.req_id, msg.prompt_ids, first, SamplingParams(**msg.params))
+            except (RequestError, TypeError) as e:
+                self._fail(msg.req_id, str(e))
+                continue
+            if r is None:
+                if time.monotonic() - t0 > self.spec.transfer_timeout_s:
+                    self._fail(msg.req_id, f"{self.w.name}: no KV room for {msg.req_id} within "
+                                           f"{self.spec.transfer_timeout_s:g}s")
+                else:
+                    still.append((msg, t0))
+                continue
+            if isinstance(msg, m.Pull):
+                self._pull(msg, r)
+            else:
+                self.reserved[msg.req_id] = (r.block_ids, r.cached_blocks)
+                self.w._send(m.Reserved(self.w.name, msg.req_id, r.block_ids, r.cached_blocks))
+        self.pending = still
+
+    def _pull(self, msg: m.Pull, r: Any) -> None:
+        skip = r.cached_blocks
+        try:
+            src = self.transport.open(msg.src_pool)
+            t0 = time.monotonic()
+            n = copy_blocks(src, msg.src_blocks[skip:], self.eng.kv, r.block_ids[skip:], non_blocking=self.cuda)
+            self.transport.sync()
+            t1 = time.monotonic()
+        except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
+            self.eng.cancel_reservation(msg.req_id)
+            return self._fail(msg.req_id, f"{self.w.name}: KV pull from {msg.src} failed: {e}")
+        rec = TransferRecord(msg.req_id, n, len(r.block_ids) - skip, t0, t1, self.transport.name, "pull",
+                             msg.src, self.w.name, skip * self.eng.block_bytes)
+        self._start_decoding(msg.req_id, msg.first_token, rec.to_dict())
+
+    def _admit_pushed(self, msg: m.Admit) -> None:
+        if msg.req_id not in self.reserved:
+            return self._fail(msg.req_id, f"{self.w.name}: admit for {msg.req_id}, which holds no reservation")
+        blocks, skip = self.reserved.pop(msg.req_id)
+        self.eng.sequence(msg.req_id).output_ids[0] = msg.first_token  # reserved before it was sampled
+        self.transport.stage_in(blocks[skip:])
+        self._start_decoding(msg.req_id, msg.first_token, None)
+
+    def _start_decoding(self, req_id: str, first_token: int, record: Optional[dict]) -> None:
+        self.eng.admit(req_id)
+        self.w._send(m.Transferred(self.w.name, req_id, time.monotonic(), record))
+        if self.spec.first_token == "decode":
+            self.w._send(m.Tokens(self.w.name, [[req_id, first_token, 0, False]], time.monotonic()))
+
+    # ---- prefill: KV out ----
+    def _layer_hook(self, layer: int) -> None:
+        if layer == 0:
+            jobs = []
+            nb = self.eng.config.block_size
+            for rid, _, end in self.eng.step_requests():
+                tgt, seq = self.push.get(rid), self.eng.sequence(rid)
+                if tgt is None or end < seq.prompt_len:
+                    continue  # not pushed, or its prompt is not complete after this step
+                n, skip = -(-seq.prompt_len // nb), tgt["skip"]
+                jobs.append(PushJob(rid, seq.block_table[skip:n], self.transport.open(tgt["pool"]),
+                                    tgt["blocks"][skip:n]))
+            self.copier.begin(jobs)
+        self.copier.on_layer(layer)
+
+    def _handoff(self, req_id: str, jobs: dict[str, PushJob]) -> None:
+        info, seq = self.eng.handoff(req_id), self.seqs.get(req_id)
+        rec = None
+        tgt = self.push.pop(req_id, None)
+        if tgt is not None:
+            job = jobs.get(req_id)
+            if job is None or job.error:
+                self.eng.release(req_id)
+                return self._fail(req_id, f"{self.w.name}: KV push to {tgt['dst']} failed: "
+                                          f"{job.error if job else 'not pushed'}")
+            rec = TransferRecord(req_id, job.bytes, len(job.src_blocks), job.start, job.end, self.transport.name,
+                                 "push", self.w.name, tgt["dst"], tgt["skip"] * self.eng.block_bytes).to_dict()
+        else:
+            self.transport.stage_out(info.block_ids)  # host transport: D2H into this worker's mirror
+        self.w._send(m.PrefillDone(self.w.name, req_id, info.first_token, info.block_ids,
+                                   seq.num_cached if seq else 0, _t(seq, "t_first_scheduled"),
+                                   _t(seq, "t_prefill_end"), rec))
+
+    # ---- the step ----
+    def step(self) -> None:
+        out = self.eng.step()
+        jobs = {j.req_id: j for j in self.copier.finish(self.spec.transfer_timeout_s)} if self.copier else {}
+        if out.record is not None:
+            self.w.step_record(out.record)
+        items, done = [], []
+        for t in out.tokens:
+            if t.error:
+                done.append(m.Finished(self.w.name, t.req_id, False, t.error))
+                self._forget(t.req_id)
+            elif t.finish_reason == "handoff":
+                self._handoff(t.req_id, jobs)
+            else:
+                items.append([t.req_id, t.token_id, t.num_output - 1, t.finished])
+                if t.finished:
+                    seq = self.seqs.get(t.req_id)
+                    phases = {"prefill_start": _t(seq, "t_first_scheduled"), "prefill_end": _t(seq, "t_prefill_end")}
+                    done.append(m.Finished(self.w.name, t.req_id, True, cached_tokens=t.cached_tokens,
+                                           phases=phases if self.role != "decode" else {}))
+                    self._forget(t.req_id)
+        if items:
+            self.w._send(m.Tokens(self.w.name, items, time.monotonic()))
+        for msg in done:
+            self.w._send(msg)
+
+    def close(self) -> None:
+        if self.copier is not None:
+            self.copier.close()
+
+
+def _t(seq: Any, attr: str) -> float:
+    v = getattr(seq, attr, None) if seq is not None else None
+    return float(v) if v is not None else 0.0

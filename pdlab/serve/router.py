@@ -1,0 +1,294 @@
+"""The router: main-process side of the control plane. Places requests, follows each one through
+prefill, KV hand-over and decode, and turns worker messages into events stamped on arrival.
+
+Placement: unified replicas by least load (requests in flight); disaggregated, the least-loaded prefill
+worker, then the decode worker with the most free KV blocks (less what in-flight hand-overs will take).
+A worker "holds" a request from the message that gives it the request until it reports it finished or
+is told to release it; when a request ends early (error, timeout, failed worker) every other holder
+gets an `Abort`, so no block stays behind on either side.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pdlab.serve import messages as m
+
+
+@dataclass
+class TokenEvent:
+    req_id: str
+    token_id: int
+    t: float  # router receive time, time.monotonic()
+    index: int
+    finished: bool
+    worker: str
+
+
+@dataclass
+class RequestDone:
+    req_id: str
+    ok: bool
+    error: str
+    output_ids: list[int]
+    cached_tokens: int
+    prefill_worker: Optional[str]
+    decode_worker: Optional[str]
+    phases: dict  # queued, prefill_start, prefill_end, transfer_start, transfer_end, admitted, sent
+
+
+@dataclass
+class StepEvent:
+    worker: str
+    role: str
+    record: dict
+
+
+@dataclass
+class TransferEvent:
+    record: dict
+
+
+@dataclass
+class WorkerFailed:
+    worker: str
+    reason: str
+
+
+@dataclass
+class WorkerState:
+    name: str
+    role: str
+    devices: list[str]
+    proc: Any = None
+    ready: bool = False
+    pool: Optional[dict] = None
+    kv_blocks: int = 0
+    block_size: int = 16
+    free_blocks: int = 0
+    last_hb: float = 0.0
+    loop_t: float = 0.0
+    failed: Optional[str] = None
+    holds: set = field(default_factory=set)  # req_ids this worker holds
+
+
+@dataclass
+class _Req:
+    req_id: str
+    prompt_ids: list[int]
+    params: dict
+    phases: dict
+    prefill: Optional[str] = None
+    decode: Optional[str] = None
+    output_ids: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+    first_token: Optional[int] = None
+    handoff_t: float = 0.0  # when the KV hand-over began (timeout clock)
+
+
+class Router:
+    def __init__(self, sock: Any, workers: list[WorkerState], *, mode: str = "pull", first_token: str = "decode",
+                 transfer_timeout_s: float = 30.0, heartbeat_timeout_s: float = 5.0, step_timeout_s: float = 300.0):
+        self.sock, self.mode, self.first_token = sock, mode, first_token
+        self.workers = {w.name: w for w in workers}
+        self.transfer_timeout_s = transfer_timeout_s
+        self.heartbeat_timeout_s, self.step_timeout_s = heartbeat_timeout_s, step_timeout_s
+        self.reqs: dict[str, _Req] = {}
+        self.events: list[Any] = []
+        self.stats: dict[str, m.Stats] = {}
+
+    def _of(self, role: str) -> list[WorkerState]:
+        return [w for w in self.workers.values() if w.role == role and w.failed is None]
+
+    def send(self, worker: str, msg: Any) -> None:
+        w = self.workers[worker]
+        if w.failed is not None:
+            return
+        try:
+            self.sock.send_multipart([worker.encode(), m.encode(msg)])
+        except Exception:  # noqa: BLE001 - unreachable peer: the health check reports it
+            pass
+
+    def _give(self, req: _Req, worker: str, msg: Any) -> None:
+        self.workers[worker].holds.add(req.req_id)
+        self.send(worker, msg)
+
+    # ---- placement ----
+    def submit(self, req_id: str, prompt_ids: list[int], params: dict) -> None:
+        if req_id in self.reqs:
+            raise ValueError(f"request {req_id!r} is already in flight")
+        req = _Req(req_id, list(prompt_ids), dict(params), {"queued": time.monotonic()})
+        self.reqs[req_id] = req
+        if self._of("unified") or self._of("prefill") and self.mode == "pull":
+            role = "unified" if self._of("unified") else "prefill"
+            w = self._least_loaded(role)
+            if w is None:
+                return self._done(req, False, f"no live {role} worker")
+            req.prefill = w.name
+            self._give(req, w.name, m.Submit(req_id, req.prompt_ids, req.params))
+        else:  # push: the decode blocks are reserved first, so prefill knows where to write
+            d = self._decode_with_room(req)
+            if d is None:
+                return self._done(req, False, "no live decode worker")
+            req.decode = d.name
+            self._give(req, d.name, m.Reserve(req_id, req.prompt_ids, req.params))
+
+    def _least_loaded(self, role: str) -> Optional[WorkerState]:
+        ws = self._of(role)
+        return min(ws, key=lambda w: (len(w.holds), w.name)) if ws else None
+
+    def _decode_with_room(self, req: _Req) -> Optional[WorkerState]:
+        def room(w: WorkerState) -> int:
+            inflight = sum(self._blocks(self.reqs[r], w) for r in w.holds if r in self.reqs and r != req.req_id
+                           and "admitted" not in self.reqs[r].phases)
+            return w.free_blocks - inflight
+
+        ws = self._of("decode")
+        return max(ws, key=lambda w: (room(w), -len(w.holds), w.name)) if ws else None
+
+    @staticmethod
+    def _blocks(req: _Req, w: WorkerState) -> int:
+        return -(-len(req.prompt_ids) // max(1, w.block_size))
+
+    # ---- worker messages ----
+    def dispatch(self, frame: bytes) -> None:
+        now = time.monotonic()
+        msg = m.decode(frame)
+        w = self.workers.get(getattr(msg, "worker", ""))
+        if w is None:
+            return
+        if isinstance(msg, m.Heartbeat):
+            w.last_hb, w.loop_t = now, msg.loop_t
+            return
+        if w.failed is not None:
+            return  # late words from a worker already declared failed
+        w.last_hb = max(w.last_hb, now)
+        if isinstance(msg, m.Tokens):
+            for rid, tok, index, finished in msg.items:
+                req = self.reqs.get(rid)
+                if req is None:
+                    continue
+                if index == 0:
+                    req.phases.setdefault("sent", msg.t)
+                req.output_ids.append(tok)
+                self.events.append(TokenEvent(rid, tok, now, index, finished, w.name))
+        elif isinstance(msg, m.Step):
+            w.free_blocks = msg.record["kv_blocks_total"] - msg.record["kv_blocks_used"]
+            self.events.append(StepEvent(w.name, w.role, msg.record))
+        elif isinstance(msg, m.Finished):
+            self._finished(w, msg)
+        elif isinstance(msg, m.PrefillDone):
+            self._prefill_done(w, msg, now)
+        elif isinstance(msg, m.Reserved):
+            self._reserved(w, msg)
+        elif isinstance(msg, m.Transferred):
+            self._transferred(w, msg)
+        elif isinstance(msg, m.Stats):
+            self.stats[w.name] = msg
+        elif isinstance(msg, m.Ready):
+            w.ready, w.pool, w.kv_blocks, w.block_size = True, msg.pool, msg.kv_blocks, msg.block_size
+            w.free_blocks, w.loop_t = msg.kv_blocks, now
+        elif isinstance(msg, m.Fatal):
+            self.fail_worker(w.name, msg.reason)
+
+    def _finished(self, w: WorkerState, msg: m.Finished) -> None:
+        w.holds.discard(msg.req_id)
+        req = self.reqs.get(msg.req_id)
+        if req is not None:
+            req.cached_tokens = req.cached_tokens or msg.cached_tokens
+            for k, v in msg.phases.items():
+                if v:
+                    req.phases.setdefault(k, v)
+            self._done(req, msg.ok, msg.error)
+
+    def _prefill_done(self, w: WorkerState, msg: m.PrefillDone, now: float) -> None:
+        req = self.reqs.get(msg.req_id)
+        if req is None:
+            return self.send(w.name, m.Abort(msg.req_id))
+        req.first_token, req.cached_tokens, req.handoff_t = msg.first_token, msg.cached_tokens, now
+        req.phases.update(prefill_start=msg.prefill_start, prefill_end=msg.prefill_end)
+        if self.first_token == "prefill":
+            req.phases["sent"] = msg.prefill_end
+            req.output_ids.append(msg.first_token)
+            self.events.append(TokenEvent(req.req_id, msg.first_token, now, 0, False, w.name))
+        if msg.transfer is not None:  # push: the KV is already in the decode pool
+            self._transfer_record(req, msg.transfer)
+            self.send(req.decode, m.Admit(req.req_id, msg.first_token))
+            return
+        d = self._decode_with_room(req)
+        if d is None:
+            return self._done(req, False, "no live decode worker")
+        req.decode = d.name
+        self._give(req, d.name, m.Pull(req.req_id, req.prompt_ids, req.params, msg.first_token, w.name,
+                                       w.pool or {}, msg.blocks))
+
+    def _reserved(self, w: WorkerState, msg: m.Reserved) -> None:
+        req = self.reqs.get(msg.req_id)
+        if req is None:
+            return self.send(w.name, m.Abort(msg.req_id))
+        p = self._least_loaded("prefill")
+        if p is None:
+            return self._done(req, False, "no live prefill worker")
+        req.prefill = p.name
+        push = {"dst": w.name, "pool": w.pool or {}, "blocks": msg.blocks, "skip": msg.skip}
+        self._give(req, p.name, m.Submit(req.req_id, req.prompt_ids, req.params, push))
+
+    def _transferred(self, w: WorkerState, msg: m.Transferred) -> None:
+        req = self.reqs.get(msg.req_id)
+        if req is None:
+            return self.send(w.name, m.Abort(msg.req_id))
+        req.phases["admitted"] = msg.admitted
+        if msg.record is not None:
+            self._transfer_record(req, msg.record)
+        if req.prefill is not None and req.req_id in self.workers[req.prefill].holds:
+            self.workers[req.prefill].holds.discard(req.req_id)
+            self.send(req.prefill, m.Release(req.req_id))
+
+    def _transfer_record(self, req: _Req, rec: dict) -> None:
+        req.phases.update(transfer_start=rec["start"], transfer_end=rec["end"])
+        self.events.append(TransferEvent(rec))
+
+    def _done(self, req: _Req, ok: bool, error: str) -> None:
+        """End a request: report it, and tell every worker still holding it to let go."""
+        self.reqs.pop(req.req_id, None)
+        for w in self.workers.values():
+            if req.req_id in w.holds:
+                w.holds.discard(req.req_id)
+                self.send(w.name, m.Abort(req.req_id))
+        self.events.append(RequestDone(req.req_id, ok, error, list(req.output_ids), req.cached_tokens,
+                                       req.prefill, req.decode, dict(req.phases)))
+
+    # ---- faults ----
+    def check_health(self, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        for w in self.workers.values():
+            if w.failed is not None or w.proc is None:
+                continue
+            code = w.proc.exitcode
+            if code is not None:
+                how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+                self.fail_worker(w.name, f"worker {w.name} (pid {w.proc.pid}) {how}")
+            elif w.last_hb and now - w.last_hb > self.heartbeat_timeout_s:
+                self.fail_worker(w.name, f"worker {w.name} sent no heartbeat for {now - w.last_hb:.1f}s", kill=True)
+            elif w.ready and now - w.loop_t > self.step_timeout_s:
+                self.fail_worker(w.name, f"worker {w.name} is hung: one step has run {now - w.loop_t:.0f}s", kill=True)
+        for req in list(self.reqs.values()):
+            if req.handoff_t and "admitted" not in req.phases and now - req.handoff_t > self.transfer_timeout_s + 2:
+                self._done(req, False, f"KV hand-over {req.prefill} -> {req.decode} did not finish "
+                                       f"within {self.transfer_timeout_s:g}s")
+
+    def fail_worker(self, name: str, reason: str, kill: bool = False) -> None:
+        w = self.workers[name]
+        if w.failed is not None:
+            return
+        w.failed = reason
+        if kill and w.proc is not None and w.proc.exitcode is None:
+            w.proc.kill()
+        self.events.append(WorkerFailed(name, reason))
+        for rid in list(w.holds):
+            req = self.reqs.get(rid)
+            if req is not None:
+                self._done(req, False, f"worker {name} failed: {reason}")
+        w.holds.clear()

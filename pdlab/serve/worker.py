@@ -1,0 +1,174 @@
+"""A worker process: one engine (role unified, prefill or decode) on its own devices, behind a socket.
+
+Started with the spawn method by the launcher. It pins itself to its devices *before* torch touches
+them (CUDA_VISIBLE_DEVICES; CPU affinity and a matching thread count), loads the model once, reports
+`Ready` with its exported pool handle, then loops: take messages, run one engine step, stream tokens,
+step and transfer records. A heartbeat thread (own socket) lets the router notice a dead or hung
+worker. Nothing here imports torch at module level, so the environment can be set first.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from pdlab.serve import messages as m
+
+
+@dataclass
+class WorkerSpec:
+    name: str  # "prefill0", "decode1", "unified0"
+    role: str
+    devices: list[str]  # this worker's devices, e.g. ["cpu:0"] or ["cuda:2"]
+    endpoint: str  # the router's socket
+    model: dict
+    engine: dict
+    seed: int = 0
+    transport: Optional[str] = None  # disaggregated roles only
+    mode: str = "pull"
+    run_prefix: str = "pdlab-run-"
+    first_token: str = "decode"
+    visible_gpus: list[int] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES, own GPU first
+    transfer_timeout_s: float = 30.0
+    heartbeat_s: float = 0.5
+
+
+def run_worker(spec_dict: dict) -> None:
+    """Process entry point (spawn target): plain dict in, so nothing pickled needs pdlab classes."""
+    spec = WorkerSpec(**spec_dict)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's business: it stops us
+    signal.signal(signal.SIGTERM, _exit_on_signal)  # unwinds: the pool segment is unlinked on the way out
+    _die_with_parent()
+    cpu_cores = [int(d.split(":")[1]) for d in spec.devices if d.startswith("cpu:")]
+    if spec.visible_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.visible_gpus)
+    elif cpu_cores:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.sched_setaffinity(0, cpu_cores)
+        os.environ["OMP_NUM_THREADS"] = str(len(cpu_cores))
+    Worker(spec, cpu_cores).serve()
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _die_with_parent() -> None:
+    """Ask Linux to SIGTERM us if the main process dies (even by SIGKILL): no orphan workers."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except Exception:  # noqa: BLE001 - not Linux: the heartbeat thread's ppid check still ends us
+        pass
+
+
+class Worker:
+    def __init__(self, spec: WorkerSpec, cpu_cores: list[int]):
+        import torch
+        import zmq
+
+        from pdlab.engine import Engine, EngineConfig, load_model
+
+        self.spec, self.name, self.role = spec, spec.name, spec.role
+        self.parent = os.getppid()
+        if cpu_cores:
+            torch.set_num_threads(len(cpu_cores))
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.IDENTITY, spec.name.encode())  # the router addresses us by name
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(spec.endpoint)
+        self.loop_t = time.monotonic()
+        self.stopping = threading.Event()
+        threading.Thread(target=self._heartbeat, name="pdlab-heartbeat", daemon=True).start()
+        try:
+            device = "cuda:0" if spec.visible_gpus else "cpu"
+            self.model = load_model(spec.model, device=device, seed=spec.seed)
+            self.transport = None
+            kv_alloc = None
+            if spec.transport and self.role != "unified":
+                from pdlab.kv.transfer import make_transport
+
+                self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus)
+                kv_alloc = self.transport.kv_alloc
+            self.engine = Engine(self.model, EngineConfig(**spec.engine), role=self.role, kv_alloc=kv_alloc)
+        except Exception as e:  # noqa: BLE001 - reported to the router, then this process ends
+            self._send(m.Fatal(self.name, f"{type(e).__name__}: {e}"))
+            raise
+        from pdlab.serve.handlers import RoleHandler
+
+        self.handler = RoleHandler(self)
+        self._send(m.Ready(self.name, os.getpid(), self.transport.export() if self.transport else None,
+                           self.engine.blocks.num_blocks, self.engine.config.block_size))
+
+    def _send(self, msg: Any) -> None:
+        self.sock.send(m.encode(msg))
+
+    def _heartbeat(self) -> None:
+        import zmq
+
+        hb = self.ctx.socket(zmq.DEALER)
+        hb.setsockopt(zmq.IDENTITY, f"{self.name}#hb".encode())
+        hb.setsockopt(zmq.LINGER, 0)
+        hb.connect(self.spec.endpoint)
+        try:
+            while not self.stopping.wait(self.spec.heartbeat_s):
+                if os.getppid() != self.parent:  # the main process is gone
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    return
+                hb.send(m.encode(m.Heartbeat(self.name, time.monotonic(), self.loop_t)))
+        finally:
+            hb.close()
+
+    def serve(self) -> None:
+        import zmq
+
+        try:
+            while True:
+                self.loop_t = time.monotonic()
+                busy = self.engine.has_work() or self.handler.has_pending()
+                if self.sock.poll(0 if busy else 50, zmq.POLLIN):
+                    while True:
+                        try:
+                            frame = self.sock.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        msg = m.decode(frame)
+                        if isinstance(msg, m.Stop):
+                            return
+                        self.handler.handle(msg)
+                self.handler.poll_pending()
+                if self.engine.has_work():
+                    self.handler.step()
+        except Exception as e:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+            self._send(m.Fatal(self.name, f"{type(e).__name__}: {e}"))
+            raise
+        finally:
+            self.stopping.set()
+            if self.transport is not None:
+                self.handler.close()
+                self.transport.close()
+            self.sock.close()
+            self.ctx.term()
+
+    def stats(self, token: int) -> m.Stats:
+        eng = self.engine
+        leak = ""
+        if not eng.seqs:
+            try:
+                eng.check_idle()
+            except AssertionError as e:
+                leak = str(e)
+        return m.Stats(self.name, token, eng.blocks.num_free, eng.blocks.num_blocks, eng.num_running,
+                       eng.num_waiting, len(eng.seqs), leak)
+
+    def step_record(self, rec: Any) -> None:
+        self._send(m.Step(self.name, asdict(rec)))

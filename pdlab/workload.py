@@ -150,7 +150,9 @@ def build_requests(workload: dict, rate: float, seed: int, vocab_size: int, toke
     for i in range(n):
         line = dataset[order[i % len(order)]] if dataset else None
         group = None
-        if sp and rng.random() < sp["share"]:
+        if sp and key == "warmup":
+            group = i % sp["groups"]  # warm-up visits every prefix group in turn
+        elif sp and rng.random() < sp["share"]:
             group = int(rng.integers(0, sp["groups"]))
         if line is not None:
             body = list(line["prompt_ids"])
@@ -167,5 +169,6 @@ def build_requests(workload: dict, rate: float, seed: int, vocab_size: int, toke
 
 def build_warmup(workload: dict, seed: int, vocab_size: int, n: int, tokenizer: Any = None,
                  dataset: Optional[list[dict]] = None) -> list[WorkloadRequest]:
-    """Warm-up requests: drawn like the measured ones from their own stream, all arriving at 0."""
+    """Warm-up requests: drawn like the measured ones from their own stream, all arriving at 0; with shared
+    prefixes, request i carries prefix group i % groups, so `warmup >= groups` warms every prefix."""
     return build_requests(workload, math.inf, seed, vocab_size, tokenizer, dataset, n=n, purpose="warmup")

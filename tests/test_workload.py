@@ -69,6 +69,9 @@ def test_shared_prefix_groups():
     for r in grouped:
         assert r.prompt_ids[:16] == heads[r.prefix_group]
         assert 20 <= len(r.prompt_ids) <= 40  # the prefix is part of the input length
+    warm = build_warmup(w, 0, 512, n=4)
+    assert [r.prefix_group for r in warm] == [0, 1, 2, 0]
+    assert all(r.prompt_ids[:16] == heads[r.prefix_group] for r in warm)
     other_rate = build_requests(w, 4.0, 0, 512)
     for r in other_rate:
         if r.prefix_group is not None:

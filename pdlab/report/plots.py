@@ -79,7 +79,8 @@ def write_plots(run_dir: str, run: Optional[Run] = None) -> list[str]:
     series = []
     for v, vs in variants.items():
         pts = [(as_rate(x["rate"]), x["attainment"]) for x in vs["rates"].values() if x.get("attainment") is not None]
-        series.append((f"{v} (goodput {vs['goodput']['goodput'] or 0:.2f})", pts, vs["goodput"]["goodput"]))
+        g = vs["goodput"]
+        series.append((f"{v} (goodput {'≥' if g['lower_bound'] else ''}{g['goodput'] or 0:.2f})", pts, g["goodput"]))
     if series:
         out.append(_attainment_plot(plt, series, target, os.path.join(run_dir, "goodput.png"),
                                     "SLO attainment vs rate (dotted: goodput)"))

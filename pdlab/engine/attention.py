@@ -28,17 +28,18 @@ ATTN_NAME = "pdlab_paged"
 class PrefillSegment:
     q_start: int  # first row of this request's tokens in the packed batch
     q_end: int
-    kv_index: Optional[torch.Tensor]  # [ctx_len] pool slots, None when the chunk is the whole context
+    ctx_len: int  # tokens of context the chunk attends to (earlier tokens + the chunk itself)
+    blocks: Optional[torch.Tensor]  # [n_blocks] the request's blocks; None when the chunk is the whole context
     mask: Optional[torch.Tensor]  # [q_len, ctx_len] bool, None when plain causal
 
 
 @dataclass
 class AttnContext:
     kv: torch.Tensor  # pool [layers, 2, blocks, block_size, kv_heads, head_dim]
-    slots: torch.Tensor  # [T] pool slot of each new token
+    slots: torch.Tensor  # [T] pool slot (block * block_size + offset) of each new token
     decode_rows: Optional[torch.Tensor] = None  # [B] rows of the decode tokens in the packed batch
-    decode_kv_index: Optional[torch.Tensor] = None  # [B, max_ctx] pool slots (padded)
-    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, max_ctx] bool
+    decode_blocks: Optional[torch.Tensor] = None  # [B, max_blocks] block tables (padded)
+    decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSegment] = field(default_factory=list)
     layer_hook: Optional[Callable[[int], None]] = None
 
@@ -69,27 +70,29 @@ def paged_attention(
     k = key[0].transpose(0, 1)  # [T, Hkv, D]
     v = value[0].transpose(0, 1)
     kv_heads, head_dim = k.shape[1], k.shape[2]
-    k_pool = ctx.kv[layer, 0].view(-1, kv_heads, head_dim)
-    v_pool = ctx.kv[layer, 1].view(-1, kv_heads, head_dim)
-    k_pool.index_copy_(0, ctx.slots, k)
-    v_pool.index_copy_(0, ctx.slots, v)
+    k_blocks, v_blocks = ctx.kv[layer, 0], ctx.kv[layer, 1]  # [blocks, block_size, Hkv, D]
+    k_blocks.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slots, k)
+    v_blocks.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slots, v)
 
     out = torch.empty_like(q)
     if ctx.decode_rows is not None:
+        b, nb = ctx.decode_blocks.shape
+        flat = ctx.decode_blocks.view(-1)  # gathering whole blocks: one contiguous copy per block
+        kd = k_blocks.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, n, D]
+        vd = v_blocks.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)
         qd = q[ctx.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-        kd = k_pool[ctx.decode_kv_index].transpose(1, 2)  # [B, Hkv, max_ctx, D]
-        vd = v_pool[ctx.decode_kv_index].transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=True)
         out[ctx.decode_rows] = od.squeeze(2)
     for seg in ctx.prefills:
         qs = q[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if seg.kv_index is None:
+        if seg.blocks is None:
             ks = k[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)
             vs = v[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
         else:
-            ks = k_pool[seg.kv_index].transpose(0, 1).unsqueeze(0)
-            vs = v_pool[seg.kv_index].transpose(0, 1).unsqueeze(0)
+            ks = k_blocks.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
+            vs = v_blocks.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
+            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=scaling, enable_gqa=True)
         out[seg.q_start:seg.q_end] = o[0].transpose(0, 1)
     if ctx.layer_hook is not None:

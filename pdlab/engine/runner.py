@@ -21,17 +21,14 @@ class ModelRunner:
         self.lm_head = model.get_output_embeddings()
         self.layer_hook: Optional[Callable[[int], None]] = None
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        pos = torch.arange(start, end)
-        table = torch.tensor(seq.block_table, dtype=torch.long)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
-
     def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[list[int], list[int], AttnContext, list[int]]:
+        bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
-        slots: list[torch.Tensor] = []
+        slots: list[int] = []
         decode_rows: list[int] = []
-        decode_seqs: list[Sequence] = []
+        decode_tables: list[list[int]] = []
+        decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
         sample_rows: list[int] = []
         for seq, n in zip(seqs, num_tokens):
@@ -39,33 +36,31 @@ class ModelRunner:
             row = len(input_ids)
             input_ids.extend(seq.tokens(start, end))
             positions.extend(range(start, end))
+            table = seq.block_table
             if n == 1 and seq.is_decode:
+                slots.append(table[start // bs] * bs + start % bs)
                 decode_rows.append(row)
-                decode_seqs.append(seq)
-                slots.append(self._slots(seq, start, end))
+                decode_tables.append(table[: -(-end // bs)])
+                decode_lens.append(end)
             else:
-                all_slots = self._slots(seq, 0, end)
-                slots.append(all_slots[start:])
+                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
                 if start == 0:
-                    prefills.append(PrefillSegment(row, row + n, None, None))
+                    prefills.append(PrefillSegment(row, row + n, end, None, None))
                 else:
-                    q_pos = torch.arange(start, end).unsqueeze(1)
-                    mask = torch.arange(end).unsqueeze(0) <= q_pos
-                    prefills.append(PrefillSegment(row, row + n, all_slots.to(self.device), mask.to(self.device)))
+                    blocks = torch.tensor(table[: -(-end // bs)], device=self.device)
+                    mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+                    prefills.append(PrefillSegment(row, row + n, end, blocks, mask.to(self.device)))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
-        ctx = AttnContext(kv=self.kv, slots=torch.cat(slots).to(self.device), prefills=prefills,
+        ctx = AttnContext(kv=self.kv, slots=torch.tensor(slots, device=self.device), prefills=prefills,
                           layer_hook=self.layer_hook)
-        if decode_seqs:
-            lens = [s.num_tokens for s in decode_seqs]
-            max_len = max(lens)
-            index = torch.zeros(len(decode_seqs), max_len, dtype=torch.long)
-            for i, s in enumerate(decode_seqs):
-                index[i, : lens[i]] = self._slots(s, 0, lens[i])
+        if decode_rows:
+            width = max(len(t) for t in decode_tables)
+            padded = [t + [0] * (width - len(t)) for t in decode_tables]
             ctx.decode_rows = torch.tensor(decode_rows, device=self.device)
-            ctx.decode_kv_index = index.to(self.device)
-            ctx.decode_mask = (torch.arange(max_len).unsqueeze(0) < torch.tensor(lens).unsqueeze(1)).to(
-                self.device)[:, None, None, :]
+            ctx.decode_blocks = torch.tensor(padded, device=self.device)
+            lens = torch.tensor(decode_lens)
+            ctx.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).to(self.device)[:, None, None, :]
         return input_ids, positions, ctx, sample_rows
 
     @torch.inference_mode()

@@ -20,7 +20,8 @@ from typing import Any, Optional
 
 import yaml
 
-from pdlab.recipe_schema import SCHEMA, VARIANT_KEYS, RecipeError, check_section, resolve_deployment
+from pdlab.deployment import resolve_deployment
+from pdlab.recipe_schema import SCHEMA, VARIANT_KEYS, RecipeError, check_section
 
 __all__ = ["Recipe", "RecipeError", "load_recipe", "parse_recipe", "apply_set", "deep_merge"]
 

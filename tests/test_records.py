@@ -72,3 +72,27 @@ def test_collect_env_has_the_basics():
         assert k in env
     json.dumps(env)
     yaml.safe_dump(env)
+
+
+def test_finalize_summary_equals_a_recomputation_from_requests_jsonl(tmp_path):
+    from pdlab.measure.finish import finalize
+    from pdlab.measure.metrics import build_request_record, summarize_run
+
+    slo = {"ttft_ms": 100.0, "itl_ms": 50.0, "itl_stat": "p99", "attainment": 0.9}
+    rd = RunDir(str(tmp_path / "r"))
+    for rate in (1.0, math.inf):
+        rd.append("requests", [build_request_record(variant="u", rate=rate, id=str(i), prompt_ids=[1, 2],
+                                                    output_ids=[3, 4], arrival=i * 0.1, slo=slo,
+                                                    token_times=[i * 0.1 + 0.05, i * 0.1 + 0.09 + 0.03 * i],
+                                                    workers={"unified": "unified-0"}) for i in range(4)])
+        rd.append("steps", [{"variant": "u", "rate": rate, "worker": "unified-0", "role": "unified", "start": 0.0,
+                             "end": 0.05, "prefill_tokens": 8, "decode_seqs": 0}])
+    summary = finalize(rd, slo, grid={"u": [1.0, math.inf, 2.0]}, partial=True, reason="stopped at rate 2",
+                       plots=False)
+    on_disk = json.load(open(rd.file("summary.json")))
+    run = load_run(rd.path)
+    again = json.loads(dumps(summarize_run(run.requests, run.steps, run.transfers, slo, partial=True,
+                                           reason="stopped at rate 2")))
+    assert on_disk == again == json.loads(dumps(summary))
+    assert on_disk["partial"] and list(on_disk["variants"]["u"]["rates"]) == ["1", "inf"]
+    assert json.load(open(rd.file("trace.json")))["traceEvents"]

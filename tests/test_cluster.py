@@ -148,7 +148,10 @@ def test_unified_replicas_and_a_hung_worker(reference):
         # a worker that stops answering (SIGSTOP) is found by its missing heartbeats, and killed
         c.submit("slow", ROUND2["r2-0"], {"max_tokens": 400, "ignore_eos": True})
         c.submit("other", ROUND2["r2-1"], {"max_tokens": 4, "ignore_eos": True})
-        hung = next(e.worker for e in c.poll(10) if isinstance(e, TokenEvent) and e.req_id == "slow")
+        hung, deadline = None, time.monotonic() + 20
+        while hung is None:
+            assert time.monotonic() < deadline
+            hung = next((e.worker for e in c.poll(1) if isinstance(e, TokenEvent) and e.req_id == "slow"), None)
         os.kill(next(w.pid for w in c.workers if w.name == hung), signal.SIGSTOP)
         t0 = time.monotonic()
         failed, fails = None, {}

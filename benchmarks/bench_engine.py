@@ -43,6 +43,7 @@ def matmul_rate(device: str, dtype: torch.dtype, n: int = 1024, reps: int = 20) 
 
 
 def copy_bandwidth(device: str, nbytes: int = 256 << 20) -> float:
+    """Bytes moved per second by a large copy, counting the read and the write."""
     a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     b = torch.empty_like(a)
     b.copy_(a)
@@ -69,6 +70,23 @@ def workload_flops(model, prompts: list[list[int]], new: int) -> float:
         total += 2 * body * n_all + 2 * head * new
         total += attn_per_ctx * sum(range(1, n_all + 1))
     return total
+
+
+def roofline_floor(model, prompts: list[list[int]], new: int, flops_s: float, bytes_s: float) -> float:
+    """A floor that also counts memory: prefill is compute-bound (its FLOPs / the matmul rate); each of the
+    `new - 1` decode steps of the whole batch must at least read the weights and every request's KV once
+    (bytes / copy bandwidth), or do its FLOPs, whichever takes longer."""
+    d = model_dims(model)
+    dtype_bytes = next(model.parameters()).element_size()
+    weights = sum(p.numel() for n, p in model.named_parameters() if "embed" not in n) * dtype_bytes
+    kv_per_token = d["layers"] * 2 * d["kv_heads"] * d["head_dim"] * dtype_bytes
+    prefill = workload_flops(model, [p[:-1] for p in prompts], 1)  # every prompt token but the last once
+    t = prefill / flops_s
+    decode_flops_per_step = (workload_flops(model, prompts, new) - prefill) / new
+    for step in range(new):
+        kv = sum(len(p) + step for p in prompts) * kv_per_token
+        t += max((weights + kv) / bytes_s, decode_flops_per_step / flops_s)
+    return t
 
 
 def run_pdlab(model, prompts, new, cfg: EngineConfig) -> tuple[float, dict, list]:
@@ -178,6 +196,9 @@ def main() -> None:
     res["matmul_gflops"] = matmul_rate(args.device, tdtype) / 1e9
     res["workload_gflop"] = workload_flops(model, prompts, args.new) / 1e9
     res["floor_s"] = res["workload_gflop"] / res["matmul_gflops"]
+    res["copy_gb_s"] = copy_bandwidth(args.device) / 1e9
+    res["roofline_floor_s"] = roofline_floor(model, prompts, args.new, res["matmul_gflops"] * 1e9,
+                                             res["copy_gb_s"] * 1e9 / 2)
 
     run_pdlab(model, prompts[:2], 4, EngineConfig(kv_blocks=256))  # warm-up
     cfg = EngineConfig(block_size=16, kv_blocks="auto", token_budget=2048, max_running=64)
@@ -186,6 +207,7 @@ def main() -> None:
     res["pdlab"] = {"seconds": dt, "out_tok_s": out_tokens / dt, "total_tok_s": (out_tokens + sum(lens)) / dt,
                     "steps": len(steps), "forward_share": sum(r.forward_s for r in steps) / dt}
     res["pdlab_vs_floor"] = dt / res["floor_s"]
+    res["pdlab_vs_roofline_floor"] = dt / res["roofline_floor_s"]
     if not args.skip_hf:
         ref = hf_model(model)
         dt_cb, outs_cb = run_generate_batch(ref, prompts, args.new)
@@ -198,7 +220,6 @@ def main() -> None:
         res["speedup_vs_padded_generate"] = dt_pad / dt
     res["step_overhead"] = [step_overhead(model, b, 256, 32, vocab) for b in (1, 16, 64)]
     if args.device.startswith("cuda"):
-        res["copy_gb_s"] = copy_bandwidth(args.device) / 1e9
         d = model_dims(model)
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         for row in res["step_overhead"]:

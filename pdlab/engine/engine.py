@@ -83,7 +83,10 @@ class Engine:
         self.eos_ids = set(dims["eos_token_ids"])
         num_blocks = config.kv_blocks if config.kv_blocks != "auto" else self._auto_blocks()
         shape = (dims["layers"], 2, num_blocks, config.block_size, dims["kv_heads"], dims["head_dim"])
-        self.kv = kv_alloc(shape, self.dtype) if kv_alloc else torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Written, not just allocated: untouched (lazily mapped) pages would fault on every first read
+        # later, in the middle of serving. Zeros also keep masked-out padding free of NaNs.
+        self.kv = kv_alloc(shape, self.dtype) if kv_alloc else torch.empty(shape, dtype=self.dtype, device=self.device)
+        self.kv.zero_()
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner = ModelRunner(model, self.kv, config.block_size)

@@ -21,14 +21,14 @@ def test_block_runs():
         block_runs([1], [])
 
 
-@pytest.mark.parametrize("max_runs", [16, 1])  # 1: every multi-run copy takes the gather/scatter path
+@pytest.mark.parametrize("torch_runs", [100, 0])  # CPU: torch copies per run, or the numpy path
 @pytest.mark.parametrize("src,dst", [
     ([0, 1, 2, 3], [8, 9, 10, 11]),  # one run
     ([5, 2, 9], [0, 7, 3]),  # scattered
     (list(range(0, 16, 2)) + list(range(1, 16, 2)), list(reversed(range(16)))),  # 16 runs
 ])
-def test_copy_blocks_moves_exactly_those_blocks(src, dst, max_runs, monkeypatch):
-    monkeypatch.setattr(transfer, "_MAX_RUNS", max_runs)
+def test_copy_blocks_moves_exactly_those_blocks(src, dst, torch_runs, monkeypatch):
+    monkeypatch.setattr(transfer, "_CPU_TORCH_RUNS", torch_runs)
     a, b = _pool(0), _pool(1)
     before = b.clone()
     n = copy_blocks(a, src, b, dst)
@@ -46,6 +46,14 @@ def test_copy_one_layer_at_a_time_equals_whole_copy():
     for layer in range(SHAPE[0]):
         copy_blocks(a, [1, 2, 6], layered, [3, 4, 0], layer=layer)
     assert torch.equal(whole, layered)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_copy_half_dtypes_bit_exact(dtype, monkeypatch):
+    monkeypatch.setattr(transfer, "_CPU_TORCH_RUNS", 0)
+    a, b = _pool(0).to(dtype), torch.zeros(SHAPE, dtype=dtype)
+    copy_blocks(a, [3, 1], b, [0, 9], layer=1)
+    assert torch.equal(b[1, :, [0, 9]], a[1, :, [3, 1]]) and not b[0].any()
 
 
 def test_copy_rejects_mismatched_pools():

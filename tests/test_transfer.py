@@ -140,3 +140,18 @@ def test_cuda_ipc_and_host_in_process():
         assert torch.equal(hp[:, :, 5:7], pool[:, :, 1:3])
     finally:
         host.close()
+
+
+def test_doctor_reports_every_transport(capsys):
+    import json
+
+    from pdlab.commands.doctor import main
+
+    assert main(json_=True, probe_mb=0.5) == 0
+    report = json.loads(capsys.readouterr().out)
+    probes = {p["transport"]: p for p in report["probes"]}
+    assert probes["shm"]["available"] and probes["shm"]["handover_gbps"] > 0 and probes["shm"]["baseline_gbps"] > 0
+    assert probes["nixl"]["available"] is False and probes["nixl"]["note"]
+    if not torch.cuda.is_available():
+        assert "no CUDA" in probes["cuda-ipc"]["note"] and "no CUDA" in probes["host"]["note"]
+    assert report["cpu"]["cores"] >= 1

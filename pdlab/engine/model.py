@@ -162,3 +162,32 @@ def _eos_ids(model: Any) -> list[int]:
     if ids is None:
         return []
     return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]
+
+
+def model_config(spec: Union[str, dict]) -> Any:
+    """The model's config without loading weights (for vocabulary size and the like)."""
+    if isinstance(spec, dict):
+        if spec.get("preset") is not None:
+            return preset_config(spec["preset"])
+        spec = spec.get("path") or ""
+    if spec in PRESETS:
+        return preset_config(spec)
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(os.path.expanduser(spec), local_files_only=True)
+    except Exception:  # noqa: BLE001
+        raise ModelLoadError(f"model {spec!r}: no config.json in that directory or the local HF cache") from None
+
+
+def load_tokenizer(spec: Union[str, dict]) -> Any:
+    """The model's tokenizer when it has one on disk (presets have none: prompts are token ids)."""
+    path = spec.get("path") if isinstance(spec, dict) else (None if spec in PRESETS else spec)
+    if not path:
+        return None
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(os.path.expanduser(path), local_files_only=True)
+    except Exception:  # noqa: BLE001 - a model directory without a tokenizer still serves token-id prompts
+        return None

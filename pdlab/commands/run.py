@@ -1,0 +1,80 @@
+"""`pdlab run RECIPE`: every variant at every rate, into one run directory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from typing import Optional
+
+
+def _err(msg: str) -> int:
+    print(f"error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Optional[str]) -> int:
+    from pdlab.engine.model import ModelLoadError, load_tokenizer, model_config
+    from pdlab.harness import Harness, RunAborted, check_deployments
+    from pdlab.measure.finish import finalize
+    from pdlab.measure.records import RunDir, default_run_path
+    from pdlab.recipe import RecipeError, load_recipe
+    from pdlab.report.live import LiveView
+    from pdlab.serve.topology import ClusterError
+    from pdlab.workload import WorkloadError
+
+    # Everything that can be wrong with the recipe is found here, before anything starts.
+    try:
+        recipe = load_recipe(recipe_path, sets, variants)
+        check_deployments(recipe)
+        first = recipe.resolved(recipe.variant_names[0])
+        vocab = model_config(first["model"]).vocab_size
+        tokenizer = load_tokenizer(first["model"])
+        if first["workload"].get("dataset"):
+            from pdlab.workload import load_dataset
+
+            load_dataset(first["workload"]["dataset"], tokenizer, vocab)
+    except (RecipeError, ClusterError, ModelLoadError, WorkloadError) as e:
+        return _err(str(e))
+    path = out or default_run_path(recipe.name)
+    if os.path.exists(path) and os.listdir(path):
+        return _err(f"--out {path}: directory exists and is not empty")
+
+    rd = RunDir(path)
+    rd.write_recipe(recipe)
+    rd.write_env()
+    grid = {v: recipe.rates for v in recipe.variant_names}
+    slo = first["slo"]
+    partial, reason, code = False, None, 0
+    # SIGTERM ends the run like Ctrl-C does: cleanly, with what was measured.
+    old_term = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    view = LiveView(title=f"pdlab run {recipe.name}", slo=slo)
+    try:
+        with view:
+            Harness(recipe, rd, view, vocab, tokenizer).run()
+    except KeyboardInterrupt:
+        partial, reason, code = True, "interrupted (Ctrl-C)", 130
+    except RunAborted as e:
+        partial, reason, code = True, str(e), 1
+    except ClusterError as e:
+        partial, reason, code = True, str(e), 1
+    finally:
+        signal.signal(signal.SIGTERM, old_term)
+        if partial:
+            rd.mark_partial(reason)
+        summary = finalize(rd, slo, grid=grid, partial=partial, reason=reason)
+    _print_table(path)
+    if partial:
+        print(f"run stopped early: {reason}", file=sys.stderr)
+    print(path)
+    return code
+
+
+def _print_table(path: str) -> None:
+    from pdlab.measure.records import load_run
+    from pdlab.report.compare import compare, render
+
+    try:
+        render(compare([load_run(path)]))
+    except Exception as e:  # noqa: BLE001 - the run directory is written; the table is a convenience
+        print(f"note: could not render the summary table: {e}", file=sys.stderr)

@@ -1,0 +1,147 @@
+"""The run loop behind `pdlab run`: for every variant, start its workers once; for every rate, warm up,
+send the seeded requests at their scheduled times, collect every token as it reaches the router, and
+write the records as they come. Nothing here knows about engines: it drives a `Cluster`.
+
+Faults end the run cleanly: a worker that dies fails its in-flight requests (the router does that), the
+run stops there, and everything measured so far is written, marked partial. Ctrl-C does the same.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pdlab.measure.metrics import build_request_record
+from pdlab.measure.records import RunDir
+from pdlab.recipe import Recipe
+from pdlab.workload import WorkloadRequest, build_requests, build_warmup
+
+STALL_TIMEOUT_S = 300.0  # no event at all for this long: the run is stuck, stop it
+LEAD_S = 0.05  # the first arrival is this far after the rate starts, so nothing is late by construction
+
+
+class RunAborted(RuntimeError):
+    """The run stopped early; what was measured is kept."""
+
+
+@dataclass
+class _Pending:
+    req: WorkloadRequest
+    arrival: float  # absolute, time.monotonic()
+    token_times: list[float] = field(default_factory=list)
+
+
+def cluster_deployment(resolved: dict) -> dict:
+    """The recipe's deployment as the launcher takes it (without the recipe's derived keys)."""
+    return {k: v for k, v in resolved["deployment"].items() if k not in ("kind", "workers")}
+
+
+def check_deployments(recipe: Recipe) -> None:
+    """Every variant's topology, checked before any process starts (raises ClusterError)."""
+    from pdlab.serve.topology import plan
+
+    for v in recipe.variant_names:
+        plan(cluster_deployment(recipe.resolved(v)))
+
+
+class Harness:
+    def __init__(self, recipe: Recipe, rd: RunDir, view: Any, vocab_size: int, tokenizer: Any = None):
+        self.recipe, self.rd, self.view = recipe, rd, view
+        self.vocab_size, self.tokenizer = vocab_size, tokenizer
+        self.steps_seen: dict[str, int] = {}
+
+    def run(self) -> None:
+        for variant in self.recipe.variant_names:
+            self.run_variant(variant)
+
+    def run_variant(self, variant: str) -> None:
+        from pdlab.serve.cluster import Cluster
+
+        cfg = self.recipe.resolved(variant)
+        for rate in cfg["rates"]:
+            self.view.plan(variant, rate, cfg["workload"]["requests"])
+        self.view.note(f"{variant}: starting {len(cfg['deployment']['workers'])} workers")
+        with Cluster(cfg["model"], cfg["engine"], cluster_deployment(cfg), seed=cfg["seed"]) as cluster:
+            cluster.start()
+            for w in cluster.workers:
+                self.view.update_worker(w.name, role=w.role, devices=",".join(w.devices))
+            for rate in cfg["rates"]:
+                cluster.reset_prefix_cache()  # every rate starts with a cold prefix cache
+                warm = build_warmup(cfg["workload"], cfg["seed"], self.vocab_size, cfg["warmup"], self.tokenizer)
+                if warm:
+                    self.serve(cluster, variant, rate, cfg, warm, warmup=True)
+                reqs = build_requests(cfg["workload"], rate, cfg["seed"], self.vocab_size, self.tokenizer)
+                self.serve(cluster, variant, rate, cfg, reqs, warmup=False)
+
+    def serve(self, cluster: Any, variant: str, rate: float, cfg: dict, reqs: list[WorkloadRequest],
+              warmup: bool) -> None:
+        """Send `reqs` at their arrival offsets and collect until each has finished."""
+        from pdlab.serve.cluster import RequestDone, StepEvent, TokenEvent, TransferEvent, WorkerFailed
+
+        slo = cfg["slo"]
+        t0 = time.monotonic() + LEAD_S
+        pending = {r.id: _Pending(r, t0 + (0.0 if math.isinf(r.arrival) else r.arrival)) for r in reqs}
+        order = sorted(pending.values(), key=lambda p: p.arrival)
+        sent = 0
+        last_event = time.monotonic()
+        failure: Optional[str] = None
+        while pending:
+            now = time.monotonic()
+            while sent < len(order) and order[sent].arrival <= now:
+                p = order[sent]
+                cluster.submit(p.req.id, p.req.prompt_ids, {"max_tokens": p.req.output_len, "ignore_eos": True})
+                sent += 1
+            if not warmup:
+                self.view.update_requests(variant, rate, sent=sent)
+            wait = order[sent].arrival - time.monotonic() if sent < len(order) else 0.5
+            events = cluster.poll(max(0.0, min(wait, 0.5)))
+            if events:
+                last_event = time.monotonic()
+            records, steps, transfers = [], [], []
+            for e in events:
+                if isinstance(e, TokenEvent):
+                    if e.req_id in pending:
+                        pending[e.req_id].token_times.append(e.t)
+                elif isinstance(e, RequestDone):
+                    p = pending.pop(e.req_id, None)
+                    if p is None:
+                        continue
+                    rec = build_request_record(
+                        variant=variant, rate=rate, id=p.req.id, prompt_ids=p.req.prompt_ids,
+                        output_ids=e.output_ids, arrival=p.arrival, token_times=p.token_times, slo=slo,
+                        error=None if e.ok else (e.error or "failed"), phases=e.phases,
+                        workers={"prefill": e.prefill_worker, "decode": e.decode_worker},
+                        cached_tokens=e.cached_tokens, warmup=warmup)
+                    records.append(rec)
+                elif isinstance(e, StepEvent):
+                    steps.append({"variant": variant, "rate": rate, "worker": e.worker, "role": e.role,
+                                  **e.record, **({"warmup": True} if warmup else {})})
+                    self._worker_view(e)
+                elif isinstance(e, TransferEvent):
+                    transfers.append({"variant": variant, "rate": rate, **e.record,
+                                      **({"warmup": True} if warmup else {})})
+                elif isinstance(e, WorkerFailed):
+                    failure = failure or e.reason
+            self.rd.append("requests", records)
+            self.rd.append("steps", steps)
+            self.rd.append("transfers", transfers)
+            if records and not warmup:
+                self.view.update_requests(variant, rate, records=records)
+            if failure and not pending:
+                raise RunAborted(failure)
+            if failure and sent == len(order) and time.monotonic() - last_event > 10:
+                raise RunAborted(failure)
+            if time.monotonic() - last_event > STALL_TIMEOUT_S:
+                raise RunAborted(f"no progress for {STALL_TIMEOUT_S:.0f}s at {variant} @ {rate} req/s "
+                                 f"({len(pending)} requests unfinished)")
+        if failure:
+            raise RunAborted(failure)
+
+    def _worker_view(self, e: Any) -> None:
+        r = e.record
+        self.steps_seen[e.worker] = self.steps_seen.get(e.worker, 0) + 1
+        self.view.update_worker(e.worker, role=e.role, running=r.get("running"), waiting=r.get("waiting"),
+                                kv_used=r.get("kv_blocks_used"), kv_total=r.get("kv_blocks_total"),
+                                steps=self.steps_seen[e.worker])

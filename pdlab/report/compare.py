@@ -10,6 +10,7 @@ finite rates (the saturation point is left out: there every request queues by co
 from __future__ import annotations
 
 import math
+import sys
 from typing import Any, Optional
 
 from pdlab.measure.metrics import as_rate, summarize_run
@@ -130,7 +131,8 @@ def render(result: dict, console: Any = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    # Off a terminal (pipes, CI logs) rich would squeeze the table into 80 columns: give it room.
+    console = console or Console(width=None if sys.stdout.isatty() else 200)
     slo = result["slo"] or {}
     title = (f"SLO: TTFT ≤ {_f(slo.get('ttft_ms'))} ms, ITL {slo.get('itl_stat', '?')} ≤ {_f(slo.get('itl_ms'))} ms, "
              f"attainment ≥ {_f((slo.get('attainment') or 0) * 100)}%   ·   latencies at {result['focus_rate']} req/s   "

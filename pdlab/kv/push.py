@@ -32,6 +32,7 @@ class PushJob:
     bytes: int = 0
     start: float = 0.0
     end: float = 0.0
+    busy: float = 0.0  # seconds spent in the copies themselves (start..end also spans the compute between)
     error: Optional[str] = None
 
 
@@ -113,8 +114,10 @@ class PushCopier:
     def _copy(self, item: _Layer) -> None:
         for j in item.jobs:
             if j.error is None:
+                t0 = time.monotonic()
                 j.bytes += copy_blocks(self.pool, j.src_blocks, j.dst, j.dst_blocks, layer=item.layer,
                                        non_blocking=self.cuda)
+                j.busy += time.monotonic() - t0
 
     def close(self) -> None:
         self._q.put(None)

@@ -39,6 +39,7 @@ class TransferRecord:
     src: str  # worker names
     dst: str
     saved_bytes: int = 0  # prefix-cache blocks the decode side already held, not sent
+    copy_s: float = 0.0  # time spent copying (push: less than end - start, the copies interleave with compute)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -111,7 +111,7 @@ class RoleHandler:
             self.eng.cancel_reservation(msg.req_id)
             return self._fail(msg.req_id, f"{self.w.name}: KV pull from {msg.src} failed: {e}")
         rec = TransferRecord(msg.req_id, n, len(r.block_ids) - skip, t0, t1, self.transport.name, "pull",
-                             msg.src, self.w.name, skip * self.eng.block_bytes)
+                             msg.src, self.w.name, skip * self.eng.block_bytes, t1 - t0)
         self._start_decoding(msg.req_id, msg.first_token, rec.to_dict())
 
     def _admit_pushed(self, msg: m.Admit) -> None:
@@ -153,8 +153,8 @@ class RoleHandler:
                 self.eng.release(req_id)
                 return self._fail(req_id, f"{self.w.name}: KV push to {tgt['dst']} failed: "
                                           f"{job.error if job else 'not pushed'}")
-            rec = TransferRecord(req_id, job.bytes, len(job.src_blocks), job.start, job.end, self.transport.name,
-                                 "push", self.w.name, tgt["dst"], tgt["skip"] * self.eng.block_bytes).to_dict()
+            rec = TransferRecord(req_id, job.bytes, len(job.src_blocks), job.start, job.end, self.transport.name, "push",
+                                 self.w.name, tgt["dst"], tgt["skip"] * self.eng.block_bytes, job.busy).to_dict()
         else:
             self.transport.stage_out(info.block_ids)  # host transport: D2H into this worker's mirror
         self.w._send(m.PrefillDone(self.w.name, req_id, info.first_token, info.block_ids,

@@ -121,8 +121,9 @@ class Router:
             raise ValueError(f"request {req_id!r} is already in flight")
         req = _Req(req_id, list(prompt_ids), dict(params), {"queued": time.monotonic()})
         self.reqs[req_id] = req
-        if self._of("unified") or self._of("prefill") and self.mode == "pull":
-            role = "unified" if self._of("unified") else "prefill"
+        unified = any(w.role == "unified" for w in self.workers.values())
+        if unified or self.mode == "pull":  # push reserves the decode blocks first (below)
+            role = "unified" if unified else "prefill"
             w = self._least_loaded(role)
             if w is None:
                 return self._done(req, False, f"no live {role} worker")

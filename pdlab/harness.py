@@ -112,7 +112,8 @@ class Harness:
                         variant=variant, rate=rate, id=p.req.id, prompt_ids=p.req.prompt_ids,
                         output_ids=e.output_ids, arrival=p.arrival, token_times=p.token_times, slo=slo,
                         error=None if e.ok else (e.error or "failed"), phases=e.phases,
-                        workers={"prefill": e.prefill_worker, "decode": e.decode_worker},
+                        workers=({"prefill": e.prefill_worker, "decode": e.decode_worker} if e.decode_worker
+                                 else {"unified": e.prefill_worker}),
                         cached_tokens=e.cached_tokens, warmup=warmup)
                     records.append(rec)
                 elif isinstance(e, StepEvent):

@@ -1,0 +1,100 @@
+"""End to end through the CLI: a tiny recipe, unified and disaggregated, two rates."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdlab.measure.metrics import summarize_run
+from pdlab.measure.records import load_run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")
+
+
+def pdlab(*args, timeout=240):
+    return subprocess.run([sys.executable, "-m", "pdlab.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("runs") / "tiny")
+    r = pdlab("run", TINY, "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().splitlines()[-1] == out
+    return out
+
+
+@pytest.mark.slow
+def test_run_directory_has_every_file(tiny_run):
+    for name in ("recipe.yaml", "env.json", "requests.jsonl", "steps.jsonl", "transfers.jsonl", "summary.json",
+                 "trace.json", "goodput.png", "latency_cdf.png", "itl_timeline.png"):
+        assert os.path.getsize(os.path.join(tiny_run, name)) > 0, name
+
+
+@pytest.mark.slow
+def test_every_request_served_and_disaggregated_equals_unified(tiny_run):
+    run = load_run(tiny_run)
+    measured = [r for r in run.requests if not r.get("warmup")]
+    assert len(measured) == 2 * 2 * 6  # variants x rates x requests
+    assert all(r["ok"] and len(r["output_ids"]) == 6 and len(r["token_times"]) == 6 for r in measured)
+    by_variant = {}
+    for r in measured:
+        by_variant.setdefault(r["variant"], {})[(r["rate"], r["id"])] = (r["prompt_ids"], r["output_ids"])
+    assert by_variant["unified"] == by_variant["disagg"]  # same seeded prompts, token-identical outputs
+    assert {t["transport"] for t in run.transfers} == {"shm"}
+    roles = {s["role"] for s in run.steps}
+    assert roles == {"unified", "prefill", "decode"}
+
+
+@pytest.mark.slow
+def test_summary_is_what_the_records_say(tiny_run):
+    run = load_run(tiny_run)
+    grid = {v: [20.0, float("inf")] for v in ("unified", "disagg")}
+    again = summarize_run(run.requests, run.steps, run.transfers, run.summary["slo"], grid=grid)
+    assert json.loads(json.dumps(again, default=str)) == json.loads(json.dumps(run.summary, default=str))
+
+
+@pytest.mark.slow
+def test_trace_is_chrome_trace_json(tiny_run):
+    with open(os.path.join(tiny_run, "trace.json")) as f:
+        trace = json.load(f)
+    events = trace["traceEvents"]
+    assert {"X", "M"} <= {e["ph"] for e in events}
+    steps = [e for e in events if e["ph"] == "X" and "prefill_tokens" in e.get("args", {})]
+    assert steps and all({"ts", "dur", "pid", "tid", "name"} <= set(e) for e in steps)
+
+
+@pytest.mark.slow
+def test_compare_two_runs(tiny_run, tmp_path):
+    r = pdlab("compare", tiny_run, tiny_run, "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert len(result["rows"]) == 4 and result["baseline"]
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--set", "engine.chunk_size=9999", "--set", "engine.chunked_prefill=true"], "chunk_size"),
+    (["--set", "rates=[-1, 2]"], "rates"),
+    (["--set", "engine.blok_size=8"], "blok_size"),
+    (["--set", "variants.disagg.deployment.decode.devices=[cpu:0]"], "cpu:0"),
+    (["--set", "variants.disagg.deployment.decode.devices=[cpu:7]"], "cpu:7"),
+    (["--set", "model.preset=nope"], "nope"),
+    (["--variants", "nosuch"], "nosuch"),
+])
+def test_bad_recipes_fail_in_one_line_and_start_nothing(args, msg, tmp_path):
+    out = str(tmp_path / "never")
+    r = pdlab("run", TINY, "--out", out, *args, timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+    assert not os.path.exists(out)
+
+
+def test_missing_recipe_file(tmp_path):
+    r = pdlab("run", str(tmp_path / "nope.yaml"), timeout=60)
+    assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr

@@ -264,12 +264,14 @@ class Engine:
         seq.status, seq.finish_reason = Status.FINISHED, "handoff"
 
     # ---- decode role: take KV in ----
-    def reserve(self, req_id: str, prompt_ids: list[int], first_token: int,
+    def reserve(self, req_id: str, prompt_ids: list[int], first_token: Optional[int] = None,
                 params: Optional[SamplingParams] = None) -> Optional[Reservation]:
         """Hold blocks for a prompt whose KV will be written from outside; None if there is no room now.
-        Blocks of a prefix this engine already holds are reused and need no transfer."""
+        Blocks of a prefix this engine already holds are reused and need no transfer. The first token
+        may be given here or, when the reservation precedes prefill (push mode), at admit()."""
         seq = self._new_seq(req_id, prompt_ids, params or SamplingParams())
-        seq.output_ids.append(first_token)
+        if first_token is not None:
+            seq.output_ids.append(first_token)
         hits = self.blocks.match_prefix(seq.prompt_ids, seq.prompt_len)
         if self.blocks.blocks_needed(seq, seq.prompt_len) - len(hits) > self.blocks.num_free - sum(
                 1 for b in hits if self.blocks.ref[b] == 0):
@@ -281,10 +283,13 @@ class Engine:
         self.seqs[req_id] = seq
         return Reservation(req_id, list(seq.block_table), len(hits))
 
-    def admit(self, req_id: str) -> None:
+    def admit(self, req_id: str, first_token: Optional[int] = None) -> None:
         """The reserved blocks now hold the prompt's KV: start decoding."""
         seq = self.seqs[req_id]
         assert seq.status == Status.RESERVED, f"{req_id} is {seq.status.value}, not reserved"
+        if first_token is not None:
+            seq.output_ids[:] = [first_token]
+        assert seq.output_ids, f"{req_id}: admitted without its first token"
         seq.num_computed = seq.prompt_len
         seq.t_prefill_end = time.monotonic()
         self.blocks.register_full_blocks(seq)

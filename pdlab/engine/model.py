@@ -37,7 +37,7 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen3": Preset("qwen3", 512, 64, 2, 4, 2, 160, 2048, 0.08),
     # CPU demo: a 1.5-2k-token prefill takes a few hundred ms on one core, a batch-8 decode step a few ms,
     # which is the ratio that makes prefill interference visible on a CPU box.
-    "cpu-demo": Preset("llama", 4096, 256, 4, 8, 4, 768, 4096, 0.04),
+    "cpu-demo": Preset("llama", 4096, 256, 4, 8, 2, 768, 4096, 0.04),
     # GPU benchmark shape (~0.6B parameters, Qwen3-0.6B-like)
     "gpu-0.6b": Preset("qwen3", 151936, 1024, 28, 16, 8, 3072, 40960, 0.02),
 }

@@ -80,7 +80,7 @@ class RoleHandler:
         still = []
         for i, (msg, t0) in enumerate(self.pending):
             try:
-                first = msg.first_token if isinstance(msg, m.Pull) else 0  # push: set at Admit
+                first = msg.first_token if isinstance(msg, m.Pull) else None  # push: given at Admit
                 r = self.eng.reserve(msg.req_id, msg.prompt_ids, first, SamplingParams(**msg.params))
             except (RequestError, TypeError) as e:
                 self._fail(msg.req_id, str(e))
@@ -118,12 +118,11 @@ class RoleHandler:
         if msg.req_id not in self.reserved:
             return self._fail(msg.req_id, f"{self.w.name}: admit for {msg.req_id}, which holds no reservation")
         blocks, skip = self.reserved.pop(msg.req_id)
-        self.eng.sequence(msg.req_id).output_ids[0] = msg.first_token  # reserved before it was sampled
         self.transport.stage_in(blocks[skip:])
         self._start_decoding(msg.req_id, msg.first_token, None)
 
     def _start_decoding(self, req_id: str, first_token: int, record: Optional[dict]) -> None:
-        self.eng.admit(req_id)
+        self.eng.admit(req_id, first_token)
         self.w._send(m.Transferred(self.w.name, req_id, time.monotonic(), record))
         if self.spec.first_token == "decode":
             self.w._send(m.Tokens(self.w.name, [[req_id, first_token, 0, False]], time.monotonic()))

@@ -190,24 +190,28 @@ class Engine:
             if batch.preempted or batch.failed:
                 rec = self._record(start, time.monotonic(), 0, 0, len(batch.preempted), 0.0)
             return StepOutput(rec, outs)
-        prefill_tokens = sum(n for s, n in zip(batch.seqs, batch.num_tokens) if not (n == 1 and s.is_decode))
-        decode_seqs = sum(1 for s, n in zip(batch.seqs, batch.num_tokens) if n == 1 and s.is_decode)
-        for s, n in zip(batch.seqs, batch.num_tokens):
+        trio = list(zip(batch.seqs, batch.num_tokens, batch.decode))
+        prefill_tokens = sum(n for _, n, d in trio if not d)
+        decode_seqs = sum(batch.decode)
+        for s, n, d in trio:
             if s.t_first_scheduled is None:
                 s.t_first_scheduled = start
-        self._current = [(s.req_id, s.num_computed, s.num_computed + n) for s, n in zip(batch.seqs, batch.num_tokens)]
-        ids, pos, ctx, rows = self.runner.prepare(batch.seqs, batch.num_tokens)
+        if self.runner.layer_hook is not None:
+            self._current = [(s.req_id, s.num_computed, s.num_computed + n) for s, n, _ in trio]
+        ids, pos, ctx, rows = self.runner.prepare(batch.seqs, batch.num_tokens, batch.decode)
         t0 = time.monotonic()
         logits = self.runner.forward(ids, pos, ctx, rows)
         forward_s = time.monotonic() - t0
         self._current = []
         sampling = []
-        for s, n in zip(batch.seqs, batch.num_tokens):
+        bs, caching = self.config.block_size, self.config.prefix_caching
+        for s, n, d in trio:
             s.num_computed += n
-            if s.t_prefill_end is None and s.num_computed >= s.prompt_len:
+            if not d and s.t_prefill_end is None and s.num_computed >= s.prompt_len:
                 s.t_prefill_end = time.monotonic()
-            self.blocks.register_full_blocks(s)
-            if s.num_computed == s.num_tokens:
+            if caching and s.num_computed // bs > len(s.block_hashes):
+                self.blocks.register_full_blocks(s)
+            if d or s.num_computed == s.num_tokens:
                 sampling.append(s)
         if sampling:
             tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])

@@ -21,7 +21,8 @@ class ModelRunner:
         self.lm_head = model.get_output_embeddings()
         self.layer_hook: Optional[Callable[[int], None]] = None
 
-    def prepare(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[list[int], list[int], AttnContext, list[int]]:
+    def prepare(self, seqs: list[Sequence], num_tokens: list[int],
+                decode: list[bool]) -> tuple[list[int], list[int], AttnContext, list[int]]:
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -31,25 +32,28 @@ class ModelRunner:
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
         sample_rows: list[int] = []
-        for seq, n in zip(seqs, num_tokens):
+        for seq, n, is_decode in zip(seqs, num_tokens, decode):
             start, end = seq.num_computed, seq.num_computed + n
             row = len(input_ids)
-            input_ids.extend(seq.tokens(start, end))
-            positions.extend(range(start, end))
             table = seq.block_table
-            if n == 1 and seq.is_decode:
+            if is_decode:  # the common case, kept lean: one token, its slot, its block table
+                input_ids.append(seq.output_ids[-1])
+                positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 decode_rows.append(row)
                 decode_tables.append(table[: -(-end // bs)])
                 decode_lens.append(end)
+                sample_rows.append(row)
+                continue
+            input_ids.extend(seq.tokens(start, end))
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if start == 0:
+                prefills.append(PrefillSegment(row, row + n, end, None, None))
             else:
-                slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
-                if start == 0:
-                    prefills.append(PrefillSegment(row, row + n, end, None, None))
-                else:
-                    blocks = torch.tensor(table[: -(-end // bs)], device=self.device)
-                    mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
-                    prefills.append(PrefillSegment(row, row + n, end, blocks, mask.to(self.device)))
+                blocks = torch.tensor(table[: -(-end // bs)], device=self.device)
+                mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
+                prefills.append(PrefillSegment(row, row + n, end, blocks, mask.to(self.device)))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
         ctx = AttnContext(kv=self.kv, slots=torch.tensor(slots, device=self.device), prefills=prefills,

@@ -22,11 +22,17 @@ from pdlab.engine.sequence import Sequence, Status
 class ScheduledBatch:
     seqs: list[Sequence] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)  # new tokens per request this step
+    decode: list[bool] = field(default_factory=list)  # True where the request decodes one token
     preempted: list[Sequence] = field(default_factory=list)
     failed: list[Sequence] = field(default_factory=list)  # cannot fit even alone in the pool
 
     def __len__(self) -> int:
         return len(self.seqs)
+
+    def add(self, seq: Sequence, n: int, decode: bool) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+        self.decode.append(decode)
 
 
 class Scheduler:
@@ -60,7 +66,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = 1 if seq.is_decode else self._chunk(seq, budget)
+            decode = seq.is_decode
+            n = 1 if decode else self._chunk(seq, budget)
             if n == 0:
                 i += 1
                 continue
@@ -71,8 +78,7 @@ class Scheduler:
                     break
             else:
                 self.blocks.allocate(seq, seq.num_computed + n)
-                batch.seqs.append(seq)
-                batch.num_tokens.append(n)
+                batch.add(seq, n, decode)
                 budget -= n
                 i += 1
                 continue
@@ -83,7 +89,8 @@ class Scheduler:
             seq = self.waiting[0]
             hits = self._prefix_hits(seq)
             computed = seq.num_computed + len(hits) * self.blocks.block_size
-            n = 1 if seq.is_decode else self._chunk(seq, budget, computed)
+            decode = seq.is_decode
+            n = 1 if decode else self._chunk(seq, budget, computed)
             need = -(-(computed + n) // self.blocks.block_size) - len(seq.block_table) - len(hits)
             reusable = sum(1 for b in hits if self.blocks.ref[b] == 0)  # counted in num_free until taken
             if n == 0 or need > self.blocks.num_free - reusable:
@@ -93,13 +100,12 @@ class Scheduler:
             if hits:
                 self.blocks.take_prefix(seq, hits)
                 seq.num_computed = computed
-            if seq.preemptions == 0 and not seq.is_decode:
+            if seq.preemptions == 0 and not decode:
                 seq.num_cached = seq.num_computed
             self.blocks.allocate(seq, seq.num_computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
-            batch.seqs.append(seq)
-            batch.num_tokens.append(n)
+            batch.add(seq, n, decode)
             budget -= n
         return batch
 
@@ -115,6 +121,7 @@ class Scheduler:
             j = batch.seqs.index(seq)
             batch.seqs.pop(j)
             batch.num_tokens.pop(j)
+            batch.decode.pop(j)
         self.blocks.release(seq)
         seq.num_computed = 0
         seq.status = Status.WAITING

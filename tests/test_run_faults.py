@@ -1,0 +1,114 @@
+"""A run cut short — a worker killed with SIGKILL, or Ctrl-C — ends cleanly: exit code, partial summary,
+records kept, no orphan process, no shared memory left behind."""
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")
+LONG = ["--set", "workload.requests=60", "--set", "workload.output_len.value=40", "--set", "rates=[4]",
+        "--variants", "disagg"]
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            out.append(int(stat.split("/")[2]))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead for our purposes
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def start_run(out: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pdlab.cli", "run", TINY, "--out", out, *LONG], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_requests(out: str, proc: subprocess.Popen, timeout: float = 90) -> None:
+    path = os.path.join(out, "requests.jsonl")
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.communicate()
+        if os.path.exists(path) and sum(1 for line in open(path) if '"warmup"' not in line) >= 3:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the run produced no measured request in time")
+
+
+def check_clean(out: str, workers: list[int], shm_before: set) -> dict:
+    deadline = time.monotonic() + 10
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in workers if alive(p)], "orphan worker processes"
+    assert set(glob.glob("/dev/shm/pdlab-*")) - shm_before == set(), "leaked shared memory"
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    assert summary["partial"] is True and summary["reason"]
+    for name in ("requests.jsonl", "steps.jsonl", "trace.json", "recipe.yaml"):
+        assert os.path.exists(os.path.join(out, name)), name
+    return summary
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_run(tmp_path):
+    out = str(tmp_path / "killed")
+    shm_before = set(glob.glob("/dev/shm/pdlab-*"))
+    proc = start_run(out)
+    try:
+        wait_for_requests(out, proc)
+        workers = children(proc.pid)
+        assert workers
+        victim = workers[-1]
+        os.kill(victim, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1, err
+    assert "Traceback" not in err and "run stopped early" in err
+    summary = check_clean(out, workers, shm_before)
+    assert "worker" in summary["reason"]
+    lines = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl"))]
+    failed = [r for r in lines if not r["ok"]]
+    assert all("worker" in r["error"] for r in failed)
+
+
+@pytest.mark.slow
+def test_ctrl_c_keeps_what_was_measured(tmp_path):
+    out = str(tmp_path / "interrupted")
+    shm_before = set(glob.glob("/dev/shm/pdlab-*"))
+    proc = start_run(out)
+    try:
+        wait_for_requests(out, proc)
+        workers = children(proc.pid)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    summary = check_clean(out, workers, shm_before)
+    assert "interrupted" in summary["reason"]
+    measured = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl")) if '"warmup"' not in x]
+    assert len(measured) >= 3

@@ -74,6 +74,7 @@ class Harness:
                     self.serve(cluster, variant, rate, cfg, warm, warmup=True)
                 reqs = build_requests(cfg["workload"], rate, cfg["seed"], self.vocab_size, self.tokenizer)
                 self.serve(cluster, variant, rate, cfg, reqs, warmup=False)
+        self.view.drop_workers()
 
     def serve(self, cluster: Any, variant: str, rate: float, cfg: dict, reqs: list[WorkloadRequest],
               warmup: bool) -> None:

@@ -91,6 +91,11 @@ class LiveView:
                     w.steps_per_s = (steps - w._last[1]) / (now - w._last[0])
                 w._last, w.steps = (now, steps), steps
 
+    def drop_workers(self) -> None:
+        """Forget the workers shown (a variant's cluster has stopped; the next one brings its own)."""
+        with self._lock:
+            self.workers.clear()
+
     def update_requests(self, variant: str, rate: float, sent: Optional[int] = None,
                         records: Optional[list[dict]] = None) -> None:
         """`sent`: requests sent so far at this rate; `records`: newly finished request records."""

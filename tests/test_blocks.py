@@ -100,3 +100,19 @@ def test_reset_prefix_cache_forgets_unreferenced_blocks():
     bm.release(a)
     bm.reset_prefix_cache()
     assert bm.match_prefix([1, 2, 3], 2) == [] and len(bm.free) == 4
+
+
+def test_growth_takes_the_next_block_and_new_runs_leave_room():
+    bm = BlockManager(64, 4)
+    a, b = seq(range(8), "a"), seq(range(100, 108), "b")
+    bm.allocate(a, 8, headroom=4)
+    bm.allocate(b, 8, headroom=4)
+    assert a.block_table == [0, 1] and b.block_table[0] > 1 + 4 - 1  # b starts after a's headroom
+    bm.allocate(a, 12)
+    assert a.block_table == [0, 1, 2] and a.contiguous
+    full = BlockManager(4, 4)
+    c, d = seq(range(4), "c"), seq(range(4), "d")
+    full.allocate(c, 4)
+    full.allocate(d, 4)
+    full.allocate(c, 8)  # c's next block (1) belongs to d: it takes another, and is no longer one run
+    assert not c.contiguous and full.num_free == 1

@@ -213,3 +213,29 @@ def test_abort_frees_blocks():
     assert eng.blocks.num_used > 0
     assert eng.abort("a") and not eng.abort("a")
     eng.check_idle()
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_in_place_decode_attention_matches(preset, monkeypatch):
+    """Long contexts in contiguous blocks are read in place rather than gathered: same tokens."""
+    import pdlab.engine.runner as runner
+
+    monkeypatch.setattr(runner, "VIEW_MIN_CONTEXT", 24)
+    reqs = prompts(MIXED)
+    eng = engine(preset, block_size=16, kv_blocks=128)
+    outs, _ = run(eng, reqs, max_tokens=24)
+    assert outs == expect(preset, reqs, 24)
+    assert sum(s.contiguous for s in eng.seqs.values()) == 0  # all finished
+    eng.check_idle()
+
+
+def test_blocks_of_growing_requests_stay_contiguous():
+    eng = engine(block_size=4, kv_blocks=256)
+    for i, p in enumerate(prompts([10, 13, 7, 30])):
+        eng.add(str(i), p, SamplingParams(max_tokens=20, ignore_eos=True))
+    seen = {}
+    while eng.has_work():
+        eng.step()
+        for s in eng.seqs.values():
+            seen[s.req_id] = (s.contiguous, len(s.block_table))
+    assert all(c for c, _ in seen.values()), seen

@@ -41,6 +41,7 @@ class AttnContext:
     decode_blocks: Optional[torch.Tensor] = None  # [B, max_blocks] block tables (padded)
     decode_mask: Optional[torch.Tensor] = None  # [B, 1, 1, max_blocks * block_size] bool
     prefills: list[PrefillSegment] = field(default_factory=list)
+    decode_views: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first block, context len)
     layer_hook: Optional[Callable[[int], None]] = None
 
 
@@ -84,6 +85,8 @@ def paged_attention(
         qd = q[ctx.decode_rows].unsqueeze(2)  # [B, H, 1, D]
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=True)
         out[ctx.decode_rows] = od.squeeze(2)
+    if ctx.decode_views:
+        _attend_in_place(q, out, k_blocks, v_blocks, ctx.decode_views, scaling)
     for seg in ctx.prefills:
         qs = q[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if seg.blocks is None:
@@ -99,6 +102,25 @@ def paged_attention(
     if ctx.layer_hook is not None:
         ctx.layer_hook(layer)
     return out.unsqueeze(0), None
+
+
+def _attend_in_place(q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,
+                     views: list[tuple[int, int, int]], scaling: Optional[float]) -> None:
+    """Decode attention over a contiguous run of blocks, read as a view of the pool (no copy).
+    Query heads are grouped by the K/V head they share, as transformers' GQA does (head h uses kv head
+    h // group)."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    kv_heads = k_blocks.shape[2]
+    bs = k_blocks.shape[1]
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    for row, first, n in views:
+        nb = -(-n // bs)
+        k = k_blocks[first:first + nb].view(-1, kv_heads, head_dim)[:n]  # [n, Hkv, D], a view
+        v = v_blocks[first:first + nb].view(-1, kv_heads, head_dim)[:n]
+        qh = q[row].view(kv_heads, heads // kv_heads, head_dim)  # [Hkv, G, D]
+        scores = torch.matmul(qh, k.permute(1, 2, 0)) * scale  # [Hkv, G, n]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        out[row] = torch.matmul(probs, v.transpose(0, 1)).view(heads, head_dim)
 
 
 def register() -> None:

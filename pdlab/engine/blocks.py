@@ -4,12 +4,17 @@ Blocks are reference counted. A full block gets a key: a hash chain over the tok
 up to and including it, so equal keys mean equal prefixes. With prefix caching on, a freed block keeps
 its key and goes to an LRU list; it is reused by a later request with the same prefix, or evicted
 (oldest first) when a fresh block is needed and the free list is empty.
+
+Placement: a request's next block is, when possible, the one right after its last, so most block tables
+are one contiguous run and decode attention can read a long context in place instead of gathering it.
+To leave room for that growth, the blocks just after a new request's run go to the back of the free list.
+Which blocks are chosen never changes how many are free: capacity, preemption and caching are unaffected.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from typing import Optional
 
 from pdlab.engine.sequence import Sequence
@@ -41,7 +46,7 @@ class BlockManager:
         self.prefix_caching = prefix_caching
         self.ref = [0] * num_blocks
         self.key: list[Optional[int]] = [None] * num_blocks
-        self.free: deque[int] = deque(range(num_blocks))  # never cached or invalidated
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # never cached or invalidated
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, still cached, LRU first
         self.cached: dict[int, int] = {}  # key -> block
 
@@ -82,6 +87,7 @@ class BlockManager:
             if self.ref[b] == 0:
                 self.evictable.pop(b, None)
             self.ref[b] += 1
+            seq.contiguous = seq.contiguous and (not seq.block_table or b == seq.block_table[-1] + 1)
             seq.block_table.append(b)
             seq.block_hashes.append(self.key[b])  # type: ignore[arg-type]
 
@@ -101,27 +107,47 @@ class BlockManager:
                 self.key[b] = k
 
     # ---- allocation ----
-    def allocate(self, seq: Sequence, num_tokens: int) -> list[int]:
-        """Extend `seq`'s block table to hold `num_tokens` tokens; returns the new blocks."""
+    def allocate(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> list[int]:
+        """Extend `seq`'s block table to hold `num_tokens` tokens; returns the new blocks. `headroom`: blocks
+        the request may still grow by, kept free behind a new run for as long as others can do without."""
         new = []
+        starting = not seq.block_table
         for _ in range(self.blocks_needed(seq, num_tokens)):
-            b = self._fresh_block()
+            prev = seq.block_table[-1] if seq.block_table else None
+            b = self._fresh_block(None if prev is None else prev + 1)
             self.ref[b] = 1
+            seq.contiguous = seq.contiguous and (prev is None or b == prev + 1)
             seq.block_table.append(b)
             new.append(b)
+        if starting and new and headroom > 0:
+            last = new[-1]
+            for b in range(last + 1, min(last + 1 + headroom, self.num_blocks)):
+                if b in self.free:
+                    self.free.move_to_end(b)
         return new
 
-    def _fresh_block(self) -> int:
+    def _fresh_block(self, prefer: Optional[int] = None) -> int:
+        if prefer is not None and prefer < self.num_blocks and self.ref[prefer] == 0:
+            if prefer in self.free:
+                del self.free[prefer]
+                return prefer
+            if prefer in self.evictable:
+                del self.evictable[prefer]
+                self._uncache(prefer)
+                return prefer
         if self.free:
-            return self.free.popleft()
+            return self.free.popitem(last=False)[0]
         if not self.evictable:
             raise RuntimeError("KV pool exhausted (the scheduler should have checked)")
         b, _ = self.evictable.popitem(last=False)
+        self._uncache(b)
+        return b
+
+    def _uncache(self, b: int) -> None:
         k = self.key[b]
         if k is not None and self.cached.get(k) == b:
             del self.cached[k]
         self.key[b] = None
-        return b
 
     def release(self, seq: Sequence) -> None:
         """Drop `seq`'s references; tail blocks first so that shared prefixes are evicted last."""
@@ -133,18 +159,16 @@ class BlockManager:
                     self.evictable[b] = None
                 else:
                     self.key[b] = None
-                    self.free.append(b)
+                    self.free[b] = None
         seq.block_table = []
         seq.block_hashes = []
+        seq.contiguous = True
 
     def reset_prefix_cache(self) -> None:
         """Forget every unreferenced cached block (held blocks keep their keys)."""
         for b in list(self.evictable):
-            k = self.key[b]
-            if k is not None and self.cached.get(k) == b:
-                del self.cached[k]
-            self.key[b] = None
-            self.free.append(b)
+            self._uncache(b)
+            self.free[b] = None
         self.evictable.clear()
 
     def check_idle(self) -> None:

@@ -281,7 +281,7 @@ class Engine:
                 1 for b in hits if self.blocks.ref[b] == 0):
             return None
         self.blocks.take_prefix(seq, hits)
-        self.blocks.allocate(seq, seq.prompt_len)
+        self.blocks.allocate(seq, seq.prompt_len, headroom=self.scheduler._headroom(seq))
         seq.num_cached = len(hits) * self.config.block_size
         seq.status = Status.RESERVED
         self.seqs[req_id] = seq

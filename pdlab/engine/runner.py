@@ -10,6 +10,11 @@ import torch
 from pdlab.engine.attention import AttnContext, PrefillSegment, set_context
 from pdlab.engine.sequence import Sequence
 
+# Decode requests with at least this much context, whose blocks are one contiguous run, attend to their
+# KV in place (a view of the pool) instead of through the batched gather: at long contexts the gather's
+# copy costs more than a few small per-request kernels. Below it, one batched call is cheaper.
+VIEW_MIN_CONTEXT = 512
+
 
 class ModelRunner:
     def __init__(self, model: Any, kv: torch.Tensor, block_size: int):
@@ -31,6 +36,7 @@ class ModelRunner:
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
         prefills: list[PrefillSegment] = []
+        views: list[tuple[int, int, int]] = []
         sample_rows: list[int] = []
         for seq, n, is_decode in zip(seqs, num_tokens, decode):
             start, end = seq.num_computed, seq.num_computed + n
@@ -40,10 +46,13 @@ class ModelRunner:
                 input_ids.append(seq.output_ids[-1])
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
+                sample_rows.append(row)
+                if seq.contiguous and end >= VIEW_MIN_CONTEXT:
+                    views.append((row, table[0], end))
+                    continue
                 decode_rows.append(row)
                 decode_tables.append(table[: -(-end // bs)])
                 decode_lens.append(end)
-                sample_rows.append(row)
                 continue
             input_ids.extend(seq.tokens(start, end))
             positions.extend(range(start, end))
@@ -57,7 +66,7 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
         ctx = AttnContext(kv=self.kv, slots=torch.tensor(slots, device=self.device), prefills=prefills,
-                          layer_hook=self.layer_hook)
+                          decode_views=views, layer_hook=self.layer_hook)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             padded = [t + [0] * (width - len(t)) for t in decode_tables]

@@ -102,12 +102,17 @@ class Scheduler:
                 seq.num_computed = computed
             if seq.preemptions == 0 and not decode:
                 seq.num_cached = seq.num_computed
-            self.blocks.allocate(seq, seq.num_computed + n)
+            self.blocks.allocate(seq, seq.num_computed + n, headroom=self._headroom(seq))
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.add(seq, n, decode)
             budget -= n
         return batch
+
+    def _headroom(self, seq: Sequence) -> int:
+        """Blocks `seq` may still need after its first allocation (rest of the prompt and its outputs)."""
+        final = seq.prompt_len + seq.params.max_tokens
+        return min(256, -(-final // self.blocks.block_size))
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks for a request not yet holding any. At least the last token is always

@@ -28,6 +28,7 @@ class Sequence:
     num_cached: int = 0  # prompt tokens served from the prefix cache (first admission)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chain hashes of the full blocks registered so far
+    contiguous: bool = True  # block_table is one run of consecutive block ids
     finish_reason: Optional[str] = None
     preemptions: int = 0
     t_arrival: float = 0.0  # engine add() time

@@ -12,7 +12,7 @@ from pdlab.engine.sequence import Sequence
 
 # Decode requests with at least this much context, whose blocks are one contiguous run, attend to their
 # KV in place (a view of the pool) instead of through the batched gather: at long contexts the gather's
-# copy costs more than a few small per-request kernels. Below it, one batched call is cheaper.
+# copy costs more than a few small per-request kernels. Below it, one batched call is cheaper. CPU only.
 VIEW_MIN_CONTEXT = 512
 
 
@@ -25,6 +25,8 @@ class ModelRunner:
         self.backbone = model.get_decoder() if hasattr(model, "get_decoder") else model.model
         self.lm_head = model.get_output_embeddings()
         self.layer_hook: Optional[Callable[[int], None]] = None
+        # Per-request kernels are cheap on a CPU and expensive launches on a GPU: in place on CPU only.
+        self.in_place = self.device.type == "cpu"
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int],
                 decode: list[bool]) -> tuple[list[int], list[int], AttnContext, list[int]]:
@@ -47,7 +49,7 @@ class ModelRunner:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 sample_rows.append(row)
-                if seq.contiguous and end >= VIEW_MIN_CONTEXT:
+                if self.in_place and seq.contiguous and end >= VIEW_MIN_CONTEXT:
                     views.append((row, table[0], end))
                     continue
                 decode_rows.append(row)

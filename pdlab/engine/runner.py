@@ -53,7 +53,8 @@ class ModelRunner:
                     views.append((row, table[0], end))
                     continue
                 decode_rows.append(row)
-                decode_tables.append(table[: -(-end // bs)])
+                need = -(-end // bs)
+                decode_tables.append(table if len(table) == need else table[:need])
                 decode_lens.append(end)
                 continue
             input_ids.extend(seq.tokens(start, end))

@@ -67,6 +67,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             decode = seq.is_decode
+            if decode and seq.num_computed < len(seq.block_table) * self.blocks.block_size:
+                batch.add(seq, 1, True)  # its slot is in a block it holds: nothing to allocate
+                budget -= 1
+                i += 1
+                continue
             n = 1 if decode else self._chunk(seq, budget)
             if n == 0:
                 i += 1

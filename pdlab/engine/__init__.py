@@ -14,10 +14,11 @@ Public API (what worker processes wrap; the engine knows nothing of processes or
 Role prefill: a request finishes after its first sampled token (TokenOut.finished, reason "handoff");
 its blocks stay allocated: `eng.handoff(req_id)` -> HandoffInfo (block ids, prompt, first token);
 `eng.release(req_id)` frees them once the decode side has the KV.
-Role decode: `eng.reserve(req_id, prompt_ids, first_token, params)` -> Reservation (block ids to fill,
-blocks already held through the prefix cache) or None when there is no room; the caller writes KV into
-`eng.kv` at those blocks, then `eng.admit(req_id)` starts decoding. `eng.cancel_reservation(req_id)`
-undoes a reservation whose transfer failed.
+Role decode: `eng.reserve(req_id, prompt_ids, first_token=None, params)` -> Reservation (block ids to
+fill, blocks already held through the prefix cache) or None when there is no room; the caller writes KV
+into `eng.kv` at those blocks, then `eng.admit(req_id, first_token)` starts decoding (the first token may
+be given at either call: in push mode the reservation comes before it is sampled).
+`eng.cancel_reservation(req_id)` undoes a reservation whose transfer failed.
 `eng.kv` is the pool: a tensor [layers, 2, blocks, block_size, kv_heads, head_dim]; pass `kv_alloc`
 to Engine to place it (e.g. in shared memory). `eng.layer_hook = fn(layer_idx)` is called after every
 layer has written its KV during a step (push-mode transfers); `eng.step_requests()` tells which

@@ -47,9 +47,10 @@ def check_deployments(recipe: Recipe) -> None:
 
 
 class Harness:
-    def __init__(self, recipe: Recipe, rd: RunDir, view: Any, vocab_size: int, tokenizer: Any = None):
+    def __init__(self, recipe: Recipe, rd: RunDir, view: Any, models: dict[str, tuple[int, Any]]):
+        """`models`: variant -> (vocab size, tokenizer or None) of the variant's model."""
         self.recipe, self.rd, self.view = recipe, rd, view
-        self.vocab_size, self.tokenizer = vocab_size, tokenizer
+        self.models = models
         self.steps_seen: dict[str, int] = {}
 
     def run(self) -> None:
@@ -60,6 +61,7 @@ class Harness:
         from pdlab.serve.cluster import Cluster
 
         cfg = self.recipe.resolved(variant)
+        vocab, tokenizer = self.models[variant]
         for rate in cfg["rates"]:
             self.view.plan(variant, rate, cfg["workload"]["requests"])
         self.view.note(f"{variant}: starting {len(cfg['deployment']['workers'])} workers")
@@ -69,10 +71,10 @@ class Harness:
                 self.view.update_worker(w.name, role=w.role, devices=",".join(w.devices))
             for rate in cfg["rates"]:
                 cluster.reset_prefix_cache()  # every rate starts with a cold prefix cache
-                warm = build_warmup(cfg["workload"], cfg["seed"], self.vocab_size, cfg["warmup"], self.tokenizer)
+                warm = build_warmup(cfg["workload"], cfg["seed"], vocab, cfg["warmup"], tokenizer)
                 if warm:
                     self.serve(cluster, variant, rate, cfg, warm, warmup=True)
-                reqs = build_requests(cfg["workload"], rate, cfg["seed"], self.vocab_size, self.tokenizer)
+                reqs = build_requests(cfg["workload"], rate, cfg["seed"], vocab, tokenizer)
                 self.serve(cluster, variant, rate, cfg, reqs, warmup=False)
         self.view.drop_workers()
 
@@ -86,60 +88,67 @@ class Harness:
         pending = {r.id: _Pending(r, t0 + (0.0 if math.isinf(r.arrival) else r.arrival)) for r in reqs}
         order = sorted(pending.values(), key=lambda p: p.arrival)
         sent = 0
-        last_event = time.monotonic()
-        failure: Optional[str] = None
-        while pending:
-            now = time.monotonic()
-            while sent < len(order) and order[sent].arrival <= now:
-                p = order[sent]
-                cluster.submit(p.req.id, p.req.prompt_ids, {"max_tokens": p.req.output_len, "ignore_eos": True})
-                sent += 1
-            if not warmup:
-                self.view.update_requests(variant, rate, sent=sent)
-            wait = order[sent].arrival - time.monotonic() if sent < len(order) else 0.5
-            events = cluster.poll(max(0.0, min(wait, 0.5)))
-            if events:
-                last_event = time.monotonic()
-            records, steps, transfers = [], [], []
-            for e in events:
-                if isinstance(e, TokenEvent):
-                    if e.req_id in pending:
-                        pending[e.req_id].token_times.append(e.t)
-                elif isinstance(e, RequestDone):
-                    p = pending.pop(e.req_id, None)
-                    if p is None:
-                        continue
-                    rec = build_request_record(
-                        variant=variant, rate=rate, id=p.req.id, prompt_ids=p.req.prompt_ids,
-                        output_ids=e.output_ids, arrival=p.arrival, token_times=p.token_times, slo=slo,
-                        error=None if e.ok else (e.error or "failed"), phases=e.phases,
-                        workers=({"prefill": e.prefill_worker, "decode": e.decode_worker} if e.decode_worker
-                                 else {"unified": e.prefill_worker}),
-                        cached_tokens=e.cached_tokens, warmup=warmup)
-                    records.append(rec)
-                elif isinstance(e, StepEvent):
-                    steps.append({"variant": variant, "rate": rate, "worker": e.worker, "role": e.role,
-                                  **e.record, **({"warmup": True} if warmup else {})})
-                    self._worker_view(e)
-                elif isinstance(e, TransferEvent):
-                    transfers.append({"variant": variant, "rate": rate, **e.record,
-                                      **({"warmup": True} if warmup else {})})
-                elif isinstance(e, WorkerFailed):
-                    failure = failure or e.reason
-            self.rd.append("requests", records)
-            self.rd.append("steps", steps)
-            self.rd.append("transfers", transfers)
-            if records and not warmup:
-                self.view.update_requests(variant, rate, records=records)
-            if failure and not pending:
-                raise RunAborted(failure)
-            if failure and sent == len(order) and time.monotonic() - last_event > 10:
-                raise RunAborted(failure)
-            if time.monotonic() - last_event > STALL_TIMEOUT_S:
-                raise RunAborted(f"no progress for {STALL_TIMEOUT_S:.0f}s at {variant} @ {rate} req/s "
-                                 f"({len(pending)} requests unfinished)")
-        if failure:
-            raise RunAborted(failure)
+
+        def record(p: _Pending, output_ids: list[int], error: Optional[str], phases: Optional[dict] = None,
+                   workers: Optional[dict] = None, cached: int = 0) -> dict:
+            return build_request_record(
+                variant=variant, rate=rate, id=p.req.id, prompt_ids=p.req.prompt_ids, output_ids=output_ids,
+                arrival=p.arrival, token_times=p.token_times, slo=slo, error=error, phases=phases,
+                workers=workers, cached_tokens=cached, warmup=warmup)
+
+        try:
+            last_event = time.monotonic()
+            while pending:
+                now = time.monotonic()
+                while sent < len(order) and order[sent].arrival <= now:
+                    p = order[sent]
+                    cluster.submit(p.req.id, p.req.prompt_ids, {"max_tokens": p.req.output_len, "ignore_eos": True})
+                    sent += 1
+                if not warmup:
+                    self.view.update_requests(variant, rate, sent=sent)
+                wait = order[sent].arrival - time.monotonic() if sent < len(order) else 0.5
+                events = cluster.poll(max(0.0, min(wait, 0.5)))
+                if events:
+                    last_event = time.monotonic()
+                records, steps, transfers = [], [], []
+                failure: Optional[str] = None
+                for e in events:
+                    if isinstance(e, TokenEvent):
+                        if e.req_id in pending:
+                            pending[e.req_id].token_times.append(e.t)
+                    elif isinstance(e, RequestDone):
+                        p = pending.pop(e.req_id, None)
+                        if p is not None:
+                            workers = ({"prefill": e.prefill_worker, "decode": e.decode_worker} if e.decode_worker
+                                       else {"unified": e.prefill_worker})
+                            records.append(record(p, e.output_ids, None if e.ok else (e.error or "failed"),
+                                                  e.phases, workers, e.cached_tokens))
+                    elif isinstance(e, StepEvent):
+                        steps.append({"variant": variant, "rate": rate, "worker": e.worker, "role": e.role,
+                                      **e.record, **({"warmup": True} if warmup else {})})
+                        self._worker_view(e)
+                    elif isinstance(e, TransferEvent):
+                        transfers.append({"variant": variant, "rate": rate, "request": e.record.get("req_id"),
+                                          **e.record, **({"warmup": True} if warmup else {})})
+                    elif isinstance(e, WorkerFailed):
+                        failure = failure or e.reason
+                self.rd.append("requests", records)
+                self.rd.append("steps", steps)
+                self.rd.append("transfers", transfers)
+                if records and not warmup:
+                    self.view.update_requests(variant, rate, records=records)
+                if failure:  # a degraded cluster would measure something else: stop here
+                    raise RunAborted(failure)
+                if time.monotonic() - last_event > STALL_TIMEOUT_S:
+                    raise RunAborted(f"no progress for {STALL_TIMEOUT_S:.0f}s at {variant} @ {rate} req/s "
+                                     f"({len(pending)} requests unfinished)")
+        except BaseException as e:
+            # Requests already sent and not finished are written as failed, with why: they count as
+            # misses of this (variant, rate) instead of silently vanishing from its attainment.
+            why = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"run stopped early: {e}"
+            cut = [record(p, [], why) for p in order[:sent] if p.req.id in pending]
+            self.rd.append("requests", cut)
+            raise
 
     def _worker_view(self, e: Any) -> None:
         r = e.record

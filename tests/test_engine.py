@@ -21,7 +21,8 @@ def test_mixed_lengths_match_transformers(preset, prefix_caching):
     eng = engine(preset, block_size=16, kv_blocks=128, prefix_caching=prefix_caching)
     outs, records = run(eng, reqs, max_tokens=24)
     assert outs == expect(preset, reqs, 24)
-    assert any(r.prefill_tokens and r.decode_seqs for r in records) or len(records) > 0
+    assert sum(r.prefill_tokens for r in records) == sum(MIXED)  # every prompt token computed once
+    assert sum(r.decode_seqs for r in records) == len(MIXED) * 23  # the other 23 tokens each: one decode
     eng.check_idle()
 
 

@@ -59,6 +59,29 @@ def test_summary_is_what_the_records_say(tiny_run):
 
 
 @pytest.mark.slow
+def test_summary_numbers_recomputed_by_hand(tiny_run):
+    """Independently of pdlab's metric code: TTFT, TPOT, attainment straight from the raw fields."""
+    import numpy as np
+
+    run = load_run(tiny_run)
+    slo = run.summary["slo"]
+    for variant, rates in run.summary["variants"].items():
+        for tag, got in rates["rates"].items():
+            reqs = [r for r in run.requests if r["variant"] == variant and str(r["rate"]) in (tag, f"{float(tag)}")
+                    and not r.get("warmup")] if tag != "inf" else [
+                r for r in run.requests if r["variant"] == variant and r["rate"] in ("inf", float("inf"))
+                and not r.get("warmup")]
+            assert len(reqs) == got["sent"] == 6
+            ttft = [r["token_times"][0] - r["arrival"] for r in reqs]
+            assert got["ttft_ms"]["p50"] == pytest.approx(1000 * np.percentile(ttft, 50))
+            tpot = [(r["token_times"][-1] - r["token_times"][0]) / (len(r["token_times"]) - 1) for r in reqs]
+            assert got["tpot_ms"]["mean"] == pytest.approx(1000 * np.mean(tpot))
+            met = sum(t <= slo["ttft_ms"] / 1000 and np.percentile(np.diff(r["token_times"]), 99) <= slo["itl_ms"] / 1000
+                      for t, r in zip(ttft, reqs))
+            assert got["attainment"] == pytest.approx(met / len(reqs))
+
+
+@pytest.mark.slow
 def test_trace_is_chrome_trace_json(tiny_run):
     with open(os.path.join(tiny_run, "trace.json")) as f:
         trace = json.load(f)
@@ -84,6 +107,8 @@ def test_compare_two_runs(tiny_run, tmp_path):
     (["--set", "variants.disagg.deployment.decode.devices=[cpu:7]"], "cpu:7"),
     (["--set", "model.preset=nope"], "nope"),
     (["--variants", "nosuch"], "nosuch"),
+    (["--set", "workload.token_high=100000"], "vocabulary"),
+    (["--set", "workload.input_len={kind: fixed, value: 5000}"], "context of 2048"),
 ])
 def test_bad_recipes_fail_in_one_line_and_start_nothing(args, msg, tmp_path):
     out = str(tmp_path / "never")
@@ -98,3 +123,10 @@ def test_bad_recipes_fail_in_one_line_and_start_nothing(args, msg, tmp_path):
 def test_missing_recipe_file(tmp_path):
     r = pdlab("run", str(tmp_path / "nope.yaml"), timeout=60)
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_out_that_is_a_file(tmp_path):
+    f = tmp_path / "file"
+    f.write_text("x")
+    r = pdlab("run", TINY, "--out", str(f), timeout=60)
+    assert r.returncode == 2 and "not a directory" in r.stderr and "Traceback" not in r.stderr

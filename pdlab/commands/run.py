@@ -14,7 +14,7 @@ def _err(msg: str) -> int:
 
 
 def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Optional[str]) -> int:
-    from pdlab.engine.model import ModelLoadError, load_tokenizer, model_config
+    from pdlab.engine.model import ModelLoadError
     from pdlab.harness import Harness, RunAborted, check_deployments
     from pdlab.measure.finish import finalize
     from pdlab.measure.records import RunDir, default_run_path
@@ -27,18 +27,19 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     try:
         recipe = load_recipe(recipe_path, sets, variants)
         check_deployments(recipe)
-        first = recipe.resolved(recipe.variant_names[0])
-        vocab = model_config(first["model"]).vocab_size
-        tokenizer = load_tokenizer(first["model"])
-        if first["workload"].get("dataset"):
-            from pdlab.workload import load_dataset
-
-            load_dataset(first["workload"]["dataset"], tokenizer, vocab)
+        models = {v: check_workload(recipe.resolved(v)) for v in recipe.variant_names}
     except (RecipeError, ClusterError, ModelLoadError, WorkloadError) as e:
         return _err(str(e))
+    first = recipe.resolved(recipe.variant_names[0])
     path = out or default_run_path(recipe.name)
-    if os.path.exists(path) and os.listdir(path):
+    if os.path.exists(path) and not os.path.isdir(path):
+        return _err(f"--out {path}: exists and is not a directory")
+    if os.path.isdir(path) and os.listdir(path):
         return _err(f"--out {path}: directory exists and is not empty")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return _err(f"--out {path}: cannot create it ({e.strerror})")
 
     rd = RunDir(path)
     rd.write_recipe(recipe)
@@ -51,7 +52,7 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     view = LiveView(title=f"pdlab run {recipe.name}", slo=slo)
     try:
         with view:
-            Harness(recipe, rd, view, vocab, tokenizer).run()
+            Harness(recipe, rd, view, models).run()
     except KeyboardInterrupt:
         partial, reason, code = True, "interrupted (Ctrl-C)", 130
     except RunAborted as e:
@@ -68,6 +69,28 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
         print(f"run stopped early: {reason}", file=sys.stderr)
     print(path)
     return code
+
+
+def check_workload(cfg: dict) -> tuple[int, object]:
+    """Build every request this variant will send (cheap, seeded) so that a workload the model cannot
+    serve is a recipe error now rather than failed requests later. Returns (vocab size, tokenizer)."""
+    from pdlab.engine.model import load_tokenizer, model_config
+    from pdlab.workload import WorkloadError, build_requests, build_warmup, load_dataset
+
+    config = model_config(cfg["model"])
+    vocab = config.vocab_size
+    context = getattr(config, "max_position_embeddings", None)
+    tokenizer = load_tokenizer(cfg["model"])
+    wl = cfg["workload"]
+    dataset = load_dataset(wl["dataset"], tokenizer, vocab) if wl.get("dataset") else None
+    reqs = build_warmup(wl, cfg["seed"], vocab, cfg["warmup"], tokenizer, dataset)
+    for rate in cfg["rates"]:
+        reqs += build_requests(wl, rate, cfg["seed"], vocab, tokenizer, dataset)
+    longest = max((len(r.prompt_ids) for r in reqs), default=0)
+    if context and longest >= context:
+        raise WorkloadError(f"workload: prompts of up to {longest} tokens do not fit {cfg['variant']}'s model "
+                            f"context of {context} tokens (input_len, shared_prefix.len or the dataset)")
+    return vocab, tokenizer
 
 
 def _print_table(path: str) -> None:

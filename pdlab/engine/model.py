@@ -86,9 +86,10 @@ def load_model(spec: Union[str, dict], dtype: str = "float32", device: str = "cp
     from pdlab.engine.attention import ATTN_NAME, register
 
     if isinstance(spec, dict):
-        dtype = spec.get("dtype", dtype)
-        device = spec.get("device", device)
-        seed = spec.get("seed", seed)
+        # a recipe's model section may carry device/dtype: None ("the worker's default"): keep ours then
+        dtype = spec.get("dtype") or dtype
+        device = spec.get("device") or device
+        seed = spec.get("seed") if spec.get("seed") is not None else seed
         if spec.get("preset") is not None:
             preset_config(spec["preset"])  # unknown preset: say so, rather than look on disk
         spec = spec.get("preset") or spec.get("path") or ""
@@ -176,7 +177,10 @@ def model_config(spec: Union[str, dict]) -> Any:
 
     try:
         return AutoConfig.from_pretrained(os.path.expanduser(spec), local_files_only=True)
-    except Exception:  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
+        path = os.path.expanduser(spec)
+        if os.path.isfile(os.path.join(path, "config.json")):
+            raise ModelLoadError(f"model {spec!r}: cannot read its config.json: {str(e).splitlines()[0]}") from None
         raise ModelLoadError(f"model {spec!r}: no config.json in that directory or the local HF cache") from None
 
 

@@ -98,13 +98,16 @@ def copy_blocks(src_pool: torch.Tensor, src_blocks: Sequence[int], dst_pool: tor
         for s, d, n in runs:
             dv[:, d : d + n] = sv[:, s : s + n]
     elif len(runs) <= _MAX_RUNS or src.device != dst.device:
+        # [layers*2, blocks, block elements]: each run is then one strided 2-D slice per pool
+        sv = src.view(src.shape[0] * 2, src.shape[2], -1)
+        dv = dst.view(dst.shape[0] * 2, dst.shape[2], -1)
         for s, d, n in runs:
-            dst[:, :, d : d + n].copy_(src[:, :, s : s + n], non_blocking=non_blocking)
+            dv[:, d : d + n].copy_(sv[:, s : s + n], non_blocking=non_blocking)
     else:
         si = torch.tensor(list(src_blocks), device=src.device)
         di = torch.tensor(list(dst_blocks), device=dst.device)
         dst.index_copy_(2, di, src.index_select(2, si))
-    return len(src_blocks) * src[:, :, 0].numel() * src.element_size()
+    return len(src_blocks) * (src.numel() // src.shape[2]) * src.element_size()
 
 
 class Transport:

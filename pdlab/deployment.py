@@ -16,7 +16,7 @@ from typing import Any
 
 from pdlab.devices import format_devices, overlaps, parse_devices
 from pdlab.recipe_schema import (
-    REQUIRED, TRANSPORTS, Field, RecipeError, _any, _bool, _choice, _float, _int, _opt, check_section,
+    REQUIRED, TRANSPORTS, Field, RecipeError, _any, _bool, _choice, _float, _int, _opt, _str, check_section,
 )
 
 _POOL = {"replicas": Field(1, "an integer >= 1", _int(1)),
@@ -29,8 +29,12 @@ _DISAGG = {
                          _choice("decode", "prefill")),
     "share_devices": Field(False, "true or false", _bool),
     "transfer_timeout_s": Field(30.0, "a number > 0 (seconds)", _float(0.0)),
+    "control": Field(None, "a tcp:// or ipc:// address (default: ipc:// in a private directory)", _opt(_str)),
+    "step_timeout_s": Field(300.0, "a number > 0 (seconds one engine step may take before its worker is "
+                                   "declared hung)", _float(0.0)),
 }
-_UNIFIED = {"unified": _POOL, "share_devices": Field(False, "true or false", _bool)}
+_UNIFIED = {"unified": _POOL, "share_devices": Field(False, "true or false", _bool),
+            "control": _DISAGG["control"], "step_timeout_s": _DISAGG["step_timeout_s"]}
 
 
 def _split(pool: dict, role: str, where: str) -> list[list[str]]:

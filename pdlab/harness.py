@@ -35,7 +35,7 @@ class _Pending:
 
 def cluster_deployment(resolved: dict) -> dict:
     """The recipe's deployment as the launcher takes it (without the recipe's derived keys)."""
-    return {k: v for k, v in resolved["deployment"].items() if k not in ("kind", "workers")}
+    return {k: v for k, v in resolved["deployment"].items() if k not in ("kind", "workers", "step_timeout_s")}
 
 
 def check_deployments(recipe: Recipe) -> None:
@@ -65,7 +65,8 @@ class Harness:
         for rate in cfg["rates"]:
             self.view.plan(variant, rate, cfg["workload"]["requests"])
         self.view.note(f"{variant}: starting {len(cfg['deployment']['workers'])} workers")
-        with Cluster(cfg["model"], cfg["engine"], cluster_deployment(cfg), seed=cfg["seed"]) as cluster:
+        with Cluster(cfg["model"], cfg["engine"], cluster_deployment(cfg), seed=cfg["seed"],
+                     step_timeout_s=cfg["deployment"].get("step_timeout_s", 300.0)) as cluster:
             cluster.start()
             for w in cluster.workers:
                 self.view.update_worker(w.name, role=w.role, devices=",".join(w.devices))

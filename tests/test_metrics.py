@@ -156,3 +156,15 @@ def test_summarize_run_goodput_per_variant():
     assert v["goodput"]["goodput"] == pytest.approx(1.5)
     assert v["saturation"]["output_tok_s"] == pytest.approx(20 / 0.55)
     assert s["slo"] == SLO and s["partial"] is False
+
+
+def test_ttft_parts_wait_for_room_is_admission_not_transfer():
+    # pull: prefill ends at 0.40, the decode side finds KV room at 0.46, copies until 0.47, admits at 0.48
+    ph = {"prefill_start": 0.1, "prefill_end": 0.40, "transfer_start": 0.46, "transfer_end": 0.47, "admitted": 0.48}
+    p = ttft_parts(0.0, 0.5, ph)
+    assert p["transfer"] == pytest.approx(0.01) and p["admission"] == pytest.approx(0.07)
+    assert sum(p.values()) == pytest.approx(0.5)
+    # push: the copy overlapped prefill; only what is left after prefill_end is exposed
+    ph = {"prefill_start": 0.1, "prefill_end": 0.40, "transfer_start": 0.2, "transfer_end": 0.405, "admitted": 0.41}
+    p = ttft_parts(0.0, 0.5, ph)
+    assert p["transfer"] == pytest.approx(0.005) and p["admission"] == pytest.approx(0.005)

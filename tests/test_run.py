@@ -130,3 +130,18 @@ def test_out_that_is_a_file(tmp_path):
     f.write_text("x")
     r = pdlab("run", TINY, "--out", str(f), timeout=60)
     assert r.returncode == 2 and "not a directory" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_control_plane_over_loopback_tcp(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = str(tmp_path / "tcp")
+    r = pdlab("run", TINY, "--out", out, "--variants", "disagg", "--set", "rates=[20]",
+              "--set", f"variants.disagg.deployment.control=tcp://127.0.0.1:{port}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    reqs = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl")) if '"warmup"' not in x]
+    assert len(reqs) == 6 and all(q["ok"] for q in reqs)

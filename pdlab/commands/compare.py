@@ -13,8 +13,8 @@ def main(runs: list[str], baseline: Optional[str], json_: bool, plot: Optional[s
     try:
         loaded = [load_run(p) for p in runs]
         result = compare(loaded, baseline)
-    except (RunDirError, ValueError, KeyError, TypeError) as e:
-        msg = str(e) if not isinstance(e, (KeyError, TypeError)) else f"unexpected summary format ({e})"
+    except (RunDirError, ValueError, KeyError, TypeError, AttributeError) as e:
+        msg = str(e) if isinstance(e, (RunDirError, ValueError)) else f"unexpected summary format ({e})"
         print(f"pdlab compare: error: {msg}", file=sys.stderr)
         return 2
     if plot:

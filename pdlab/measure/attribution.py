@@ -33,6 +33,12 @@ def ttft_parts(arrival: float, first_token: Optional[float], phases: Optional[di
     for part, a, b in chain:
         if a in ph and b in ph:
             out[part] = max(0.0, ph[b] - ph[a])
+    # Transfer is the copy left exposed after prefill; time the decode side spent before the copy began
+    # (waiting for KV room, the router hop) is admission, not transfer. The parts still sum the same.
+    if out["transfer"] is not None and "transfer_start" in ph:
+        wait = max(0.0, ph["transfer_start"] - ph["prefill_end"])
+        out["transfer"] = max(0.0, ph["transfer_end"] - max(ph["prefill_end"], ph["transfer_start"]))
+        out["admission"] = (out["admission"] or 0.0) + wait
     last = max((ph[k] for k in ("prefill_end", "transfer_end", "admitted") if k in ph), default=None)
     if last is not None:
         out["delivery"] = max(0.0, first_token - last)

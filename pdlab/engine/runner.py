@@ -3,6 +3,7 @@ computes logits only where a request samples."""
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, Callable, Optional
 
 import torch
@@ -14,6 +15,13 @@ from pdlab.engine.sequence import Sequence
 # KV in place (a view of the pool) instead of through the batched gather: at long contexts the gather's
 # copy costs more than a few small per-request kernels. Below it, one batched call is cheaper. CPU only.
 VIEW_MIN_CONTEXT = 512
+
+
+def _long(xs: list[int], device: torch.device) -> torch.Tensor:
+    """An int64 tensor from a list of ints; through array() it is ~7x faster than torch.tensor(list)."""
+    if not xs:
+        return torch.empty(0, dtype=torch.long, device=device)
+    return torch.frombuffer(array("q", xs), dtype=torch.long).to(device)
 
 
 class ModelRunner:
@@ -68,14 +76,17 @@ class ModelRunner:
                 prefills.append(PrefillSegment(row, row + n, end, blocks, mask.to(self.device)))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
-        ctx = AttnContext(kv=self.kv, slots=torch.tensor(slots, device=self.device), prefills=prefills,
+        ctx = AttnContext(kv=self.kv, slots=_long(slots, self.device), prefills=prefills,
                           decode_views=views, layer_hook=self.layer_hook)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
-            padded = [t + [0] * (width - len(t)) for t in decode_tables]
-            ctx.decode_rows = torch.tensor(decode_rows, device=self.device)
-            ctx.decode_blocks = torch.tensor(padded, device=self.device)
-            lens = torch.tensor(decode_lens)
+            flat: list[int] = []
+            for t in decode_tables:
+                flat += t
+                flat += [0] * (width - len(t))
+            ctx.decode_rows = _long(decode_rows, self.device)
+            ctx.decode_blocks = _long(flat, self.device).view(len(decode_tables), width)
+            lens = _long(decode_lens, torch.device("cpu"))
             ctx.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).to(self.device)[:, None, None, :]
         return input_ids, positions, ctx, sample_rows
 
@@ -83,8 +94,8 @@ class ModelRunner:
     def forward(self, input_ids: list[int], positions: list[int], ctx: AttnContext,
                 sample_rows: list[int]) -> Optional[torch.Tensor]:
         """Logits [len(sample_rows), vocab] in float32 (None when no request samples this step)."""
-        ids = torch.tensor(input_ids, device=self.device).unsqueeze(0)
-        pos = torch.tensor(positions, device=self.device).unsqueeze(0)
+        ids = _long(input_ids, self.device).unsqueeze(0)
+        pos = _long(positions, self.device).unsqueeze(0)
         set_context(ctx)
         try:
             hidden = self.backbone(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
@@ -92,5 +103,5 @@ class ModelRunner:
             set_context(None)
         if not sample_rows:
             return None
-        rows = torch.tensor(sample_rows, device=self.device)
+        rows = _long(sample_rows, self.device)
         return self.lm_head(hidden[0, rows]).float()

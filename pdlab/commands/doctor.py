@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import sys
 from typing import Any
 
 
@@ -108,7 +109,7 @@ def _print(r: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    con = Console()
+    con = Console(width=None if sys.stdout.isatty() else 160)  # off a terminal: no 80-column squeeze
     c = r["cpu"]
     con.print(f"[bold]CPU[/] {c['model']}: {c['cores']} cores (usable {c['usable_cores']}), "
               f"{c['memory_bytes'] / 2**30:.1f} GiB memory, {c['dev_shm_free_bytes'] / 2**30:.1f} GiB free in /dev/shm")

@@ -145,3 +145,13 @@ def test_control_plane_over_loopback_tcp(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     reqs = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl")) if '"warmup"' not in x]
     assert len(reqs) == 6 and all(q["ok"] for q in reqs)
+
+
+def test_doctor_and_generate_commands():
+    r = pdlab("doctor", "--probe-mb", "1", timeout=120)
+    assert r.returncode == 0 and "shm" in r.stdout and "Traceback" not in r.stderr, r.stderr
+    r = pdlab("generate", "--model", "tiny-llama", "--prompts", "2", "--prompt-len", "16", "--max-tokens", "4",
+              timeout=120)
+    assert r.returncode == 0 and "8 new tokens" in r.stdout, r.stdout + r.stderr
+    r = pdlab("generate", "--model", "/no/such/model", timeout=120)
+    assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr

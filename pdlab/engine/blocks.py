@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from typing import Optional
+from typing import Collection, Optional
 
 from pdlab.engine.sequence import Sequence
 
@@ -64,8 +64,11 @@ class BlockManager:
         need = -(-num_tokens // self.block_size)
         return max(0, need - len(seq.block_table))
 
-    def can_allocate(self, seq: Sequence, num_tokens: int) -> bool:
-        return self.blocks_needed(seq, num_tokens) <= self.num_free
+    def can_allocate(self, seq: Sequence, num_tokens: int, hits: Collection[int] = ()) -> bool:
+        """Whether `seq` can hold `num_tokens` tokens, after first taking the cached blocks `hits` (those
+        unreferenced now are counted in num_free until taken, so they do not count twice)."""
+        reusable = sum(1 for b in hits if self.ref[b] == 0)
+        return self.blocks_needed(seq, num_tokens) - len(hits) <= self.num_free - reusable
 
     # ---- prefix cache ----
     def match_prefix(self, tokens: list[int], max_tokens: int) -> list[int]:
@@ -87,8 +90,7 @@ class BlockManager:
             if self.ref[b] == 0:
                 self.evictable.pop(b, None)
             self.ref[b] += 1
-            seq.contiguous = seq.contiguous and (not seq.block_table or b == seq.block_table[-1] + 1)
-            seq.block_table.append(b)
+            self._append(seq, b)
             seq.block_hashes.append(self.key[b])  # type: ignore[arg-type]
 
     def register_full_blocks(self, seq: Sequence) -> None:
@@ -107,24 +109,30 @@ class BlockManager:
                 self.key[b] = k
 
     # ---- allocation ----
-    def allocate(self, seq: Sequence, num_tokens: int, headroom: int = 0) -> list[int]:
-        """Extend `seq`'s block table to hold `num_tokens` tokens; returns the new blocks. `headroom`: blocks
-        the request may still grow by, kept free behind a new run for as long as others can do without."""
+    def allocate(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Extend `seq`'s block table to hold `num_tokens` tokens; returns the new blocks."""
         new = []
         starting = not seq.block_table
         for _ in range(self.blocks_needed(seq, num_tokens)):
             prev = seq.block_table[-1] if seq.block_table else None
             b = self._fresh_block(None if prev is None else prev + 1)
             self.ref[b] = 1
-            seq.contiguous = seq.contiguous and (prev is None or b == prev + 1)
-            seq.block_table.append(b)
+            self._append(seq, b)
             new.append(b)
-        if starting and new and headroom > 0:
+        if starting and new:
+            # Keep the blocks the request may still grow into (rest of its prompt and its outputs) at the
+            # back of the free list, for as long as others can do without them.
+            headroom = min(256, -(-(seq.prompt_len + seq.params.max_tokens) // self.block_size))
             last = new[-1]
             for b in range(last + 1, min(last + 1 + headroom, self.num_blocks)):
                 if b in self.free:
                     self.free.move_to_end(b)
         return new
+
+    @staticmethod
+    def _append(seq: Sequence, b: int) -> None:
+        seq.contiguous = seq.contiguous and (not seq.block_table or b == seq.block_table[-1] + 1)
+        seq.block_table.append(b)
 
     def _fresh_block(self, prefer: Optional[int] = None) -> int:
         if prefer is not None and prefer < self.num_blocks and self.ref[prefer] == 0:

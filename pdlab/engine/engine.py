@@ -142,12 +142,10 @@ class Engine:
         self.scheduler.add(seq)
 
     def abort(self, req_id: str) -> bool:
-        seq = self.seqs.pop(req_id, None)
+        seq = self.seqs.get(req_id)
         if seq is None:
             return False
-        self.scheduler.finish(seq)
-        self.blocks.release(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self._finish(seq, "abort")
         return True
 
     def has_work(self) -> bool:
@@ -263,9 +261,7 @@ class Engine:
 
     def release(self, req_id: str) -> None:
         """The decode side has the KV: free the blocks (they stay in the prefix cache)."""
-        seq = self.seqs.pop(req_id)
-        self.blocks.release(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, "handoff"
+        self._finish(self.seqs[req_id], "handoff")
 
     # ---- decode role: take KV in ----
     def reserve(self, req_id: str, prompt_ids: list[int], first_token: Optional[int] = None,
@@ -277,11 +273,10 @@ class Engine:
         if first_token is not None:
             seq.output_ids.append(first_token)
         hits = self.blocks.match_prefix(seq.prompt_ids, seq.prompt_len)
-        if self.blocks.blocks_needed(seq, seq.prompt_len) - len(hits) > self.blocks.num_free - sum(
-                1 for b in hits if self.blocks.ref[b] == 0):
+        if not self.blocks.can_allocate(seq, seq.prompt_len, hits):
             return None
         self.blocks.take_prefix(seq, hits)
-        self.blocks.allocate(seq, seq.prompt_len, headroom=self.scheduler._headroom(seq))
+        self.blocks.allocate(seq, seq.prompt_len)
         seq.num_cached = len(hits) * self.config.block_size
         seq.status = Status.RESERVED
         self.seqs[req_id] = seq
@@ -300,11 +295,9 @@ class Engine:
         self.scheduler.add(seq)
 
     def cancel_reservation(self, req_id: str) -> None:
-        seq = self.seqs.pop(req_id)
-        # Blocks that never received KV must not stay in the prefix cache: they have no key yet,
+        # Blocks that never received KV do not stay in the prefix cache: they have no key yet,
         # because keys are only set by register_full_blocks() at admit().
-        self.blocks.release(seq)
-        seq.status, seq.finish_reason = Status.FINISHED, "abort"
+        self._finish(self.seqs[req_id], "abort")
 
     # ---- housekeeping ----
     def reset_prefix_cache(self) -> None:

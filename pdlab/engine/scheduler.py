@@ -96,9 +96,7 @@ class Scheduler:
             computed = seq.num_computed + len(hits) * self.blocks.block_size
             decode = seq.is_decode
             n = 1 if decode else self._chunk(seq, budget, computed)
-            need = -(-(computed + n) // self.blocks.block_size) - len(seq.block_table) - len(hits)
-            reusable = sum(1 for b in hits if self.blocks.ref[b] == 0)  # counted in num_free until taken
-            if n == 0 or need > self.blocks.num_free - reusable:
+            if n == 0 or not self.blocks.can_allocate(seq, computed + n, hits):
                 self._fail_if_too_big(seq, batch)
                 break
             self.waiting.popleft()
@@ -107,17 +105,12 @@ class Scheduler:
                 seq.num_computed = computed
             if seq.preemptions == 0 and not decode:
                 seq.num_cached = seq.num_computed
-            self.blocks.allocate(seq, seq.num_computed + n, headroom=self._headroom(seq))
+            self.blocks.allocate(seq, seq.num_computed + n)
             seq.status = Status.RUNNING
             self.running.append(seq)
             batch.add(seq, n, decode)
             budget -= n
         return batch
-
-    def _headroom(self, seq: Sequence) -> int:
-        """Blocks `seq` may still need after its first allocation (rest of the prompt and its outputs)."""
-        final = seq.prompt_len + seq.params.max_tokens
-        return min(256, -(-final // self.blocks.block_size))
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Cached blocks for a request not yet holding any. At least the last token is always

@@ -116,3 +116,14 @@ def test_growth_takes_the_next_block_and_new_runs_leave_room():
     full.allocate(d, 4)
     full.allocate(c, 8)  # c's next block (1) belongs to d: it takes another, and is no longer one run
     assert not c.contiguous and full.num_free == 1
+
+
+def test_contiguous_growth_never_evicts_a_cached_block_while_others_are_free():
+    bm = BlockManager(8, 2)
+    y, x = seq([5, 6, 7], "y"), seq([1, 2], "x")
+    bm.allocate(y, 2)  # block 0
+    computed(bm, x, 2)  # block 1, cached
+    bm.release(x)  # block 1: unreferenced, still cached
+    assert y.block_table == [0] and bm.match_prefix([1, 2, 3], 2) == [1]
+    bm.allocate(y, 4)  # y's next block would be 1: it takes a free one instead
+    assert y.block_table == [0, 2] and bm.match_prefix([1, 2, 3], 2) == [1]

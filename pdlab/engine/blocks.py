@@ -135,14 +135,11 @@ class BlockManager:
         seq.block_table.append(b)
 
     def _fresh_block(self, prefer: Optional[int] = None) -> int:
-        if prefer is not None and prefer < self.num_blocks and self.ref[prefer] == 0:
-            if prefer in self.free:
-                del self.free[prefer]
-                return prefer
-            if prefer in self.evictable:
-                del self.evictable[prefer]
-                self._uncache(prefer)
-                return prefer
+        # The preferred block is taken only from the free list: taking it from the evictable ones would
+        # throw away a cached prefix out of LRU order while other blocks were free.
+        if prefer is not None and prefer in self.free:
+            del self.free[prefer]
+            return prefer
         if self.free:
             return self.free.popitem(last=False)[0]
         if not self.evictable:

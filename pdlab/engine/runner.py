@@ -71,7 +71,7 @@ class ModelRunner:
             if start == 0:
                 prefills.append(PrefillSegment(row, row + n, end, None, None))
             else:
-                blocks = torch.tensor(table[: -(-end // bs)], device=self.device)
+                blocks = _long(table[: -(-end // bs)], self.device)
                 mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
                 prefills.append(PrefillSegment(row, row + n, end, blocks, mask.to(self.device)))
             if end == seq.num_tokens:

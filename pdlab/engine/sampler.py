@@ -13,7 +13,10 @@ def make_generator(params: SamplingParams, device: torch.device) -> Optional[tor
     if params.temperature == 0:
         return None
     g = torch.Generator(device=device)
-    g.manual_seed(params.seed if params.seed is not None else torch.seed() % (2**63))
+    if params.seed is not None:
+        g.manual_seed(params.seed)
+    else:
+        g.seed()  # a non-deterministic seed for this generator only (torch.seed() would reseed the global RNG)
     return g
 
 

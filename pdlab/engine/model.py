@@ -90,11 +90,7 @@ def load_model(spec: Union[str, dict], dtype: str = "float32", device: str = "cp
         dtype = spec.get("dtype") or dtype
         device = spec.get("device") or device
         seed = spec.get("seed") if spec.get("seed") is not None else seed
-        if spec.get("preset") is not None:
-            preset_config(spec["preset"])  # unknown preset: say so, rather than look on disk
-        spec = spec.get("preset") or spec.get("path") or ""
-    if not spec:
-        raise ModelLoadError("model: give a preset name or a local model directory")
+    spec = _source(spec)
     register()
     tdtype = _torch_dtype(dtype)
     if spec in PRESETS:
@@ -115,8 +111,20 @@ def load_model(spec: Union[str, dict], dtype: str = "float32", device: str = "cp
     return model
 
 
-def _from_disk(path: str, tdtype: Any) -> Any:
-    from transformers import AutoConfig, AutoModelForCausalLM
+def _source(spec: Union[str, dict]) -> str:
+    """The preset name or path a spec (string or recipe dict) names."""
+    if isinstance(spec, dict):
+        if spec.get("preset") is not None:
+            preset_config(spec["preset"])  # unknown preset: say so, rather than look on disk
+        spec = spec.get("preset") or spec.get("path") or ""
+    if not spec:
+        raise ModelLoadError("model: give a preset name or a local model directory")
+    return spec
+
+
+def _disk_config(path: str) -> Any:
+    """The config of a model on disk (a directory or the local HF cache), with one-line errors."""
+    from transformers import AutoConfig
 
     path = os.path.expanduser(path)
     local = os.path.isdir(path)
@@ -126,16 +134,22 @@ def _from_disk(path: str, tdtype: Any) -> Any:
     if local and not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelLoadError(f"model path {path!r} holds no model (no config.json)")
     try:
-        AutoConfig.from_pretrained(path, local_files_only=True)
+        return AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - transformers raises many kinds; one line for the user
         if not local:
             raise ModelLoadError(
                 f"model {path!r} is neither a local directory nor in the local HF cache (nothing is downloaded)"
             ) from None
         raise ModelLoadError(f"cannot load model config from {path!r}: {str(e).splitlines()[0]}") from None
+
+
+def _from_disk(path: str, tdtype: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    _disk_config(path)
     try:
         return AutoModelForCausalLM.from_pretrained(
-            path, dtype=tdtype, local_files_only=True, attn_implementation="sdpa"
+            os.path.expanduser(path), dtype=tdtype, local_files_only=True, attn_implementation="sdpa"
         )
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cannot load model weights from {path!r}: {str(e).splitlines()[0]}") from None
@@ -167,27 +181,14 @@ def _eos_ids(model: Any) -> list[int]:
 
 def model_config(spec: Union[str, dict]) -> Any:
     """The model's config without loading weights (for vocabulary size and the like)."""
-    if isinstance(spec, dict):
-        if spec.get("preset") is not None:
-            return preset_config(spec["preset"])
-        spec = spec.get("path") or ""
-    if spec in PRESETS:
-        return preset_config(spec)
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(os.path.expanduser(spec), local_files_only=True)
-    except Exception as e:  # noqa: BLE001
-        path = os.path.expanduser(spec)
-        if os.path.isfile(os.path.join(path, "config.json")):
-            raise ModelLoadError(f"model {spec!r}: cannot read its config.json: {str(e).splitlines()[0]}") from None
-        raise ModelLoadError(f"model {spec!r}: no config.json in that directory or the local HF cache") from None
+    name = _source(spec)
+    return preset_config(name) if name in PRESETS else _disk_config(name)
 
 
 def load_tokenizer(spec: Union[str, dict]) -> Any:
     """The model's tokenizer when it has one on disk (presets have none: prompts are token ids)."""
-    path = spec.get("path") if isinstance(spec, dict) else (None if spec in PRESETS else spec)
-    if not path:
+    path = _source(spec)
+    if path in PRESETS:
         return None
     try:
         from transformers import AutoTokenizer

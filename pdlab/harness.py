@@ -16,7 +16,7 @@ from typing import Any, Optional
 from pdlab.measure.metrics import build_request_record
 from pdlab.measure.records import RunDir
 from pdlab.recipe import Recipe
-from pdlab.workload import WorkloadRequest, build_requests, build_warmup
+from pdlab.workload import WorkloadRequest
 
 STALL_TIMEOUT_S = 300.0  # no event at all for this long: the run is stuck, stop it
 LEAD_S = 0.05  # the first arrival is this far after the rate starts, so nothing is late by construction
@@ -47,10 +47,10 @@ def check_deployments(recipe: Recipe) -> None:
 
 
 class Harness:
-    def __init__(self, recipe: Recipe, rd: RunDir, view: Any, models: dict[str, tuple[int, Any]]):
-        """`models`: variant -> (vocab size, tokenizer or None) of the variant's model."""
+    def __init__(self, recipe: Recipe, rd: RunDir, view: Any, workloads: dict[str, dict]):
+        """`workloads`: variant -> {"warmup": requests, rate: requests} (see commands.run.build_workload)."""
         self.recipe, self.rd, self.view = recipe, rd, view
-        self.models = models
+        self.workloads = workloads
         self.steps_seen: dict[str, int] = {}
 
     def run(self) -> None:
@@ -61,7 +61,7 @@ class Harness:
         from pdlab.serve.cluster import Cluster
 
         cfg = self.recipe.resolved(variant)
-        vocab, tokenizer = self.models[variant]
+        workload = self.workloads[variant]
         for rate in cfg["rates"]:
             self.view.plan(variant, rate, cfg["workload"]["requests"])
         self.view.note(f"{variant}: starting {len(cfg['deployment']['workers'])} workers")
@@ -72,11 +72,9 @@ class Harness:
                 self.view.update_worker(w.name, role=w.role, devices=",".join(w.devices))
             for rate in cfg["rates"]:
                 cluster.reset_prefix_cache()  # every rate starts with a cold prefix cache
-                warm = build_warmup(cfg["workload"], cfg["seed"], vocab, cfg["warmup"], tokenizer)
-                if warm:
-                    self.serve(cluster, variant, rate, cfg, warm, warmup=True)
-                reqs = build_requests(cfg["workload"], rate, cfg["seed"], vocab, tokenizer)
-                self.serve(cluster, variant, rate, cfg, reqs, warmup=False)
+                if workload["warmup"]:
+                    self.serve(cluster, variant, rate, cfg, workload["warmup"], warmup=True)
+                self.serve(cluster, variant, rate, cfg, workload[rate], warmup=False)
         self.view.drop_workers()
 
     def serve(self, cluster: Any, variant: str, rate: float, cfg: dict, reqs: list[WorkloadRequest],

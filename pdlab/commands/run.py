@@ -27,7 +27,7 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     try:
         recipe = load_recipe(recipe_path, sets, variants)
         check_deployments(recipe)
-        models = {v: check_workload(recipe.resolved(v)) for v in recipe.variant_names}
+        workloads = {v: build_workload(recipe.resolved(v)) for v in recipe.variant_names}
     except (RecipeError, ClusterError, ModelLoadError, WorkloadError) as e:
         return _err(str(e))
     first = recipe.resolved(recipe.variant_names[0])
@@ -52,18 +52,16 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     view = LiveView(title=f"pdlab run {recipe.name}", slo=slo)
     try:
         with view:
-            Harness(recipe, rd, view, models).run()
+            Harness(recipe, rd, view, workloads).run()
     except KeyboardInterrupt:
         partial, reason, code = True, "interrupted (Ctrl-C)", 130
-    except RunAborted as e:
-        partial, reason, code = True, str(e), 1
-    except ClusterError as e:
+    except (RunAborted, ClusterError) as e:
         partial, reason, code = True, str(e), 1
     finally:
         signal.signal(signal.SIGTERM, old_term)
         if partial:
             rd.mark_partial(reason)
-        summary = finalize(rd, slo, grid=grid, partial=partial, reason=reason)
+        finalize(rd, slo, grid=grid, partial=partial, reason=reason)
     _print_table(path)
     if partial:
         print(f"run stopped early: {reason}", file=sys.stderr)
@@ -71,9 +69,10 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     return code
 
 
-def check_workload(cfg: dict) -> tuple[int, object]:
-    """Build every request this variant will send (cheap, seeded) so that a workload the model cannot
-    serve is a recipe error now rather than failed requests later. Returns (vocab size, tokenizer)."""
+def build_workload(cfg: dict) -> dict:
+    """Every request this variant will send: {"warmup": [...], rate: [...]}. Built (seeded, cheaply) before
+    anything starts, so that a workload the model cannot serve is a recipe error now rather than failed
+    requests later, and what was checked is what is sent."""
     from pdlab.engine.model import load_tokenizer, model_config
     from pdlab.workload import WorkloadError, build_requests, build_warmup, load_dataset
 
@@ -83,14 +82,14 @@ def check_workload(cfg: dict) -> tuple[int, object]:
     tokenizer = load_tokenizer(cfg["model"])
     wl = cfg["workload"]
     dataset = load_dataset(wl["dataset"], tokenizer, vocab) if wl.get("dataset") else None
-    reqs = build_warmup(wl, cfg["seed"], vocab, cfg["warmup"], tokenizer, dataset)
+    out: dict = {"warmup": build_warmup(wl, cfg["seed"], vocab, cfg["warmup"], tokenizer, dataset)}
     for rate in cfg["rates"]:
-        reqs += build_requests(wl, rate, cfg["seed"], vocab, tokenizer, dataset)
-    longest = max((len(r.prompt_ids) for r in reqs), default=0)
+        out[rate] = build_requests(wl, rate, cfg["seed"], vocab, tokenizer, dataset)
+    longest = max((len(r.prompt_ids) for reqs in out.values() for r in reqs), default=0)
     if context and longest >= context:
         raise WorkloadError(f"workload: prompts of up to {longest} tokens do not fit {cfg['variant']}'s model "
                             f"context of {context} tokens (input_len, shared_prefix.len or the dataset)")
-    return vocab, tokenizer
+    return out
 
 
 def _print_table(path: str) -> None:

@@ -69,21 +69,31 @@ def check_clean(out: str, workers: list[int], shm_before: set) -> dict:
     return summary
 
 
-@pytest.mark.slow
-def test_worker_killed_mid_run(tmp_path):
-    out = str(tmp_path / "killed")
+def cut_run(out: str, cut) -> tuple[subprocess.Popen, str, list[int], set]:
+    """Start a run, wait until it has measured a few requests, then `cut(proc, workers)` it; returns the
+    finished process, its stderr, the worker pids it had and the shm segments that existed before."""
     shm_before = set(glob.glob("/dev/shm/pdlab-*"))
     proc = start_run(out)
     try:
         wait_for_requests(out, proc)
         workers = children(proc.pid)
-        assert workers
-        victim = workers[-1]
-        os.kill(victim, signal.SIGKILL)
+        cut(proc, workers)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
+    return proc, err, workers, shm_before
+
+
+@pytest.mark.slow
+def test_worker_killed_mid_run(tmp_path):
+    out = str(tmp_path / "killed")
+
+    def kill_a_worker(proc, workers):
+        assert workers
+        os.kill(workers[-1], signal.SIGKILL)
+
+    proc, err, workers, shm_before = cut_run(out, kill_a_worker)
     assert proc.returncode == 1, err
     assert "Traceback" not in err and "run stopped early" in err
     summary = check_clean(out, workers, shm_before)
@@ -96,16 +106,7 @@ def test_worker_killed_mid_run(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_keeps_what_was_measured(tmp_path):
     out = str(tmp_path / "interrupted")
-    shm_before = set(glob.glob("/dev/shm/pdlab-*"))
-    proc = start_run(out)
-    try:
-        wait_for_requests(out, proc)
-        workers = children(proc.pid)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    proc, err, workers, shm_before = cut_run(out, lambda proc, _: proc.send_signal(signal.SIGINT))
     assert proc.returncode == 130, err
     assert "Traceback" not in err
     summary = check_clean(out, workers, shm_before)

@@ -42,15 +42,19 @@ def test_whole_prompts_until_the_budget_is_spent():
     assert [x.req_id for x in batch.seqs] == ["a", "b", "c"] and batch.num_tokens == [1, 1, 5]
 
 
-def test_chunked_prefill_splits_by_chunk_and_budget():
-    s = make(token_budget=10, chunked_prefill=True, chunk_size=6)
-    a = add(s, "a", 15)
+def prefill_pieces(s, seq):
+    """The token counts `seq`'s prompt is scheduled in, step by step."""
     sizes = []
-    while a.num_computed < a.prompt_len:
+    while seq.num_computed < seq.prompt_len:
         batch = s.schedule()
         sizes.append(batch.num_tokens[0])
         advance(s, batch)
-    assert sizes == [6, 6, 3]
+    return sizes
+
+
+def test_chunked_prefill_splits_by_chunk_and_budget():
+    s = make(token_budget=10, chunked_prefill=True, chunk_size=6)
+    assert prefill_pieces(s, add(s, "a", 15)) == [6, 6, 3]
 
 
 def test_decode_rides_along_with_a_chunk():
@@ -73,13 +77,7 @@ def test_unchunked_prompt_waits_for_a_step_with_room():
 
 def test_prompt_longer_than_the_budget_runs_in_pieces():
     s = make(token_budget=8)
-    a = add(s, "a", 20)
-    sizes = []
-    while a.num_computed < a.prompt_len:
-        batch = s.schedule()
-        sizes.append(batch.num_tokens[0])
-        advance(s, batch)
-    assert sizes == [8, 8, 4]
+    assert prefill_pieces(s, add(s, "a", 20)) == [8, 8, 4]
 
 
 def test_max_running_holds_back_admission():

@@ -127,8 +127,8 @@ class Harness:
                                       **e.record, **({"warmup": True} if warmup else {})})
                         self._worker_view(e)
                     elif isinstance(e, TransferEvent):
-                        transfers.append({"variant": variant, "rate": rate, "request": e.record.get("req_id"),
-                                          **e.record, **({"warmup": True} if warmup else {})})
+                        transfers.append({"variant": variant, "rate": rate, **e.record,
+                                          **({"warmup": True} if warmup else {})})
                     elif isinstance(e, WorkerFailed):
                         failure = failure or e.reason
                 self.rd.append("requests", records)

@@ -113,7 +113,7 @@ def test_disaggregated_matches_unified_engine(deployment, prefix_caching, refere
         ph = d.phases
         assert ph["queued"] <= ph["prefill_start"] <= ph["prefill_end"] <= ph["admitted"]
         assert ph["transfer_start"] <= ph["transfer_end"] <= ph["admitted"] + 1e-3
-    transfers = {e.record["req_id"]: e.record for e in other if isinstance(e, TransferEvent)}
+    transfers = {e.record["request"]: e.record for e in other if isinstance(e, TransferEvent)}
     assert set(transfers) == set(done) - set(MAX_TOKENS)
     for rid, r in transfers.items():
         assert r["mode"] == deployment["mode"] and r["transport"] == "shm" and r["dst"] == "decode0"

@@ -46,6 +46,7 @@ def test_every_request_served_and_disaggregated_equals_unified(tiny_run):
         by_variant.setdefault(r["variant"], {})[(r["rate"], r["id"])] = (r["prompt_ids"], r["output_ids"])
     assert by_variant["unified"] == by_variant["disagg"]  # same seeded prompts, token-identical outputs
     assert {t["transport"] for t in run.transfers} == {"shm"}
+    assert {t["request"] for t in run.transfers} >= {r["id"] for r in measured if r["variant"] == "disagg"}
     roles = {s["role"] for s in run.steps}
     assert roles == {"unified", "prefill", "decode"}
 

@@ -20,7 +20,7 @@ def records():
              {"variant": "u", "rate": math.inf, "worker": "unified-0", "role": "unified", "start": 100.2,
               "end": 100.3, "prefill_tokens": 0, "decode_seqs": 1, "kv_blocks_used": 4, "kv_blocks_total": 16,
               "waiting": 0, "running": 1, "preempted": 0}]
-    transfers = [{"variant": "pd", "rate": 2.0, "req_id": "a", "bytes": 2_000_000, "blocks": 2, "start": 100.25,
+    transfers = [{"variant": "pd", "rate": 2.0, "request": "a", "bytes": 2_000_000, "blocks": 2, "start": 100.25,
                   "end": 100.35, "transport": "shm", "mode": "push", "src": "prefill-0", "dst": "decode-0"}]
     return reqs, steps, transfers
 

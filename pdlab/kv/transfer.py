@@ -29,7 +29,7 @@ MODES = ("pull", "push")
 
 @dataclass
 class TransferRecord:
-    req_id: str
+    request: str  # the request's id (DESIGN.md's transfers.jsonl field)
     bytes: int
     blocks: int
     start: float  # time.monotonic()

@@ -52,14 +52,17 @@ def bandwidth(rounds: int) -> list[dict]:
 def ttft_run(mode: str, n: int, tokens: int) -> list[dict]:
     import torch
 
+    from pdlab.engine.config import EngineConfig
     from pdlab.engine.model import PRESETS
+    from pdlab.recipe import Deployment, ModelSpec
     from pdlab.serve.cluster import Cluster, RequestDone, TokenEvent, TransferEvent
 
     g = torch.Generator().manual_seed(0)
-    engine = {"block_size": 16, "kv_blocks": 512, "token_budget": 4096, "prefix_caching": False}
-    dep = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "transport": "shm", "mode": mode}
+    engine = EngineConfig(block_size=16, kv_blocks=512, token_budget=4096, prefix_caching=False)
+    dep = Deployment.from_raw({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "transport": "shm",
+                               "mode": mode}, "deployment")
     rows = []
-    with Cluster({"preset": "cpu-demo"}, engine, dep) as c:
+    with Cluster(ModelSpec(preset="cpu-demo"), engine, dep) as c:
         c.start()
         for i in range(n + 1):  # the first request warms up and is dropped
             c.submit(f"{mode}{i}", torch.randint(3, 4000, (tokens,), generator=g).tolist(),

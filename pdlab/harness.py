@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pdlab.constants import STALL_TIMEOUT_S
 from pdlab.measure.metrics import build_request_record
 from pdlab.measure.records import RunDir
-from pdlab.recipe import Recipe
-from pdlab.workload import WorkloadRequest
+from pdlab.recipe import Recipe, Variant
+from pdlab.workload import Workload, WorkloadRequest
 
-STALL_TIMEOUT_S = 300.0  # no event at all for this long: the run is stuck, stop it
 LEAD_S = 0.05  # the first arrival is this far after the rate starts, so nothing is late by construction
 
 
@@ -33,22 +33,17 @@ class _Pending:
     token_times: list[float] = field(default_factory=list)
 
 
-def cluster_deployment(resolved: dict) -> dict:
-    """The recipe's deployment as the launcher takes it (without the recipe's derived keys)."""
-    return {k: v for k, v in resolved["deployment"].items() if k not in ("kind", "workers", "step_timeout_s")}
+def check_machine(recipe: Recipe) -> None:
+    """Every variant's devices exist on this machine, checked before any process starts (raises ClusterError)."""
+    from pdlab.serve.topology import place
 
-
-def check_deployments(recipe: Recipe) -> None:
-    """Every variant's topology, checked before any process starts (raises ClusterError)."""
-    from pdlab.serve.topology import plan
-
-    for v in recipe.variant_names:
-        plan(cluster_deployment(recipe.resolved(v)))
+    for v in recipe.variants.values():
+        place(v.deployment)
 
 
 class Harness:
-    def __init__(self, recipe: Recipe, rd: RunDir, view: Any, workloads: dict[str, dict]):
-        """`workloads`: variant -> {"warmup": requests, rate: requests} (see commands.run.build_workload)."""
+    def __init__(self, recipe: Recipe, rd: RunDir, view: Any, workloads: dict[str, Workload]):
+        """`workloads`: variant -> its requests (pdlab.workload.build_workload)."""
         self.recipe, self.rd, self.view = recipe, rd, view
         self.workloads = workloads
         self.steps_seen: dict[str, int] = {}
@@ -60,29 +55,28 @@ class Harness:
     def run_variant(self, variant: str) -> None:
         from pdlab.serve.cluster import Cluster
 
-        cfg = self.recipe.resolved(variant)
+        v = self.recipe.resolved(variant)
         workload = self.workloads[variant]
-        for rate in cfg["rates"]:
-            self.view.plan(variant, rate, cfg["workload"]["requests"])
-        self.view.note(f"{variant}: starting {len(cfg['deployment']['workers'])} workers")
-        with Cluster(cfg["model"], cfg["engine"], cluster_deployment(cfg), seed=cfg["seed"],
-                     step_timeout_s=cfg["deployment"].get("step_timeout_s", 300.0)) as cluster:
+        for rate in v.rates:
+            self.view.plan(variant, rate, v.workload.requests)
+        n = len(v.deployment.workers)
+        self.view.note(f"{variant}: starting {n} worker{'s' if n != 1 else ''}")
+        with Cluster(v.model, v.engine, v.deployment, seed=v.seed) as cluster:
             cluster.start()
             for w in cluster.workers:
                 self.view.update_worker(w.name, role=w.role, devices=",".join(w.devices))
-            for rate in cfg["rates"]:
+            for rate in v.rates:
                 cluster.reset_prefix_cache()  # every rate starts with a cold prefix cache
-                if workload["warmup"]:
-                    self.serve(cluster, variant, rate, cfg, workload["warmup"], warmup=True)
-                self.serve(cluster, variant, rate, cfg, workload[rate], warmup=False)
+                if workload.warmup:
+                    self.serve(cluster, v, rate, workload.warmup, warmup=True)
+                self.serve(cluster, v, rate, workload.at(rate), warmup=False)
         self.view.drop_workers()
 
-    def serve(self, cluster: Any, variant: str, rate: float, cfg: dict, reqs: list[WorkloadRequest],
-              warmup: bool) -> None:
+    def serve(self, cluster: Any, v: Variant, rate: float, reqs: tuple[WorkloadRequest, ...], warmup: bool) -> None:
         """Send `reqs` at their arrival offsets and collect until each has finished."""
         from pdlab.serve.cluster import RequestDone, StepEvent, TokenEvent, TransferEvent, WorkerFailed
 
-        slo = cfg["slo"]
+        variant, slo = v.name, v.slo
         t0 = time.monotonic() + LEAD_S
         pending = {r.id: _Pending(r, t0 + (0.0 if math.isinf(r.arrival) else r.arrival)) for r in reqs}
         order = sorted(pending.values(), key=lambda p: p.arrival)

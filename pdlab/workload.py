@@ -20,6 +20,8 @@ from typing import Any, Callable, Optional, Union
 
 import numpy as np
 
+from pdlab.recipe.workload import ArrivalSpec, LengthSpec, WorkloadSpec
+
 
 class WorkloadError(ValueError):
     """A workload that cannot be built (bad dataset line, token range outside the vocabulary)."""
@@ -46,34 +48,34 @@ def _rng(seed: int, *purpose: Any) -> np.random.Generator:
     return np.random.default_rng([seed, key])
 
 
-def arrival_times(arrival: dict, rate: float, n: int, seed: int) -> list[float]:
+def arrival_times(arrival: ArrivalSpec, rate: float, n: int, seed: int) -> list[float]:
     """Offsets in seconds of `n` arrivals; the first is at 0. Mean gap 1/rate for every kind."""
     if n <= 0:
         return []
     if math.isinf(rate):
         return [0.0] * n
-    kind = arrival["kind"]
+    kind = arrival.kind
     rng = _rng(seed, "arrivals", kind)
     if kind == "poisson":
         gaps = rng.exponential(1.0, n - 1)
     elif kind == "gamma":
-        b = float(arrival.get("burstiness", 1.0))  # shape b, scale 1/b: mean 1, CV 1/sqrt(b) (vLLM's form)
+        b = arrival.burstiness  # shape b, scale 1/b: mean 1, CV 1/sqrt(b) (vLLM's form)
         gaps = rng.gamma(b, 1.0 / b, n - 1)
     elif kind == "constant":
         gaps = np.ones(n - 1)
     elif kind == "burst":
-        size = int(arrival.get("size", 8))  # `size` requests together, every size/rate seconds
+        size = arrival.size  # `size` requests together, every size/rate seconds
         return [float((i // size) * size / rate) for i in range(n)]
     else:
         raise WorkloadError(f"unknown arrival kind {kind!r}")
     return [0.0] + [float(t) for t in np.cumsum(gaps) / rate]
 
 
-def _length(spec: dict, rng: np.random.Generator, line: Optional[dict], what: str) -> int:
-    if spec["kind"] == "fixed":
-        return int(spec["value"])
-    if spec["kind"] == "uniform":
-        return int(rng.integers(spec["min"], spec["max"] + 1))
+def _length(spec: LengthSpec, rng: np.random.Generator, line: Optional[dict], what: str) -> int:
+    if spec.kind == "fixed":
+        return int(spec.value)
+    if spec.kind == "uniform":
+        return int(rng.integers(spec.min, spec.max + 1))
     if line is None or line.get(what) is None:
         raise WorkloadError(f"workload.{what}: kind dataset but the dataset line has no {what}")
     return int(line[what])
@@ -120,55 +122,88 @@ def load_dataset(path: str, tokenizer: Any = None, vocab_size: Optional[int] = N
     return out
 
 
-def build_requests(workload: dict, rate: float, seed: int, vocab_size: int, tokenizer: Any = None,
+def build_requests(workload: WorkloadSpec, rate: float, seed: int, vocab_size: int, tokenizer: Any = None,
                    dataset: Optional[list[dict]] = None, n: Optional[int] = None,
                    purpose: Union[str, float, None] = None) -> list[WorkloadRequest]:
-    """The requests of one rate: `workload` is the resolved `workload` section of a recipe.
+    """The requests of one rate: `workload` is the recipe's `workload` section.
 
     `n` defaults to workload.requests; `purpose` (default: the rate) keys the prompt stream, e.g.
     "warmup" for warm-up requests. `dataset` may be passed pre-loaded (see load_dataset).
     """
-    n = workload["requests"] if n is None else n
+    n = workload.requests if n is None else n
     key = rate_tag(rate) if purpose is None else str(purpose)
-    low = int(workload.get("token_low", 0))
-    high = int(workload.get("token_high") or vocab_size)
+    low = workload.token_low
+    high = workload.token_high or vocab_size
     if high > vocab_size or low >= high:
         raise WorkloadError(f"workload token ids [{low}, {high}) do not fit the vocabulary of {vocab_size}")
-    if workload.get("dataset") and dataset is None:
-        dataset = load_dataset(workload["dataset"], tokenizer, vocab_size)
+    if workload.dataset and dataset is None:
+        dataset = load_dataset(workload.dataset, tokenizer, vocab_size)
 
-    sp = workload.get("shared_prefix")
+    sp = workload.shared_prefix
     prefixes: list[list[int]] = []
     if sp:
         prng = _rng(seed, "prefixes")
-        prefixes = [prng.integers(low, high, sp["len"]).tolist() for _ in range(sp["groups"])]
+        prefixes = [prng.integers(low, high, sp.len).tolist() for _ in range(sp.groups)]
 
     rng = _rng(seed, "prompts", key)
     order = rng.permutation(len(dataset)).tolist() if dataset else []
-    arrivals = arrival_times(workload["arrival"], rate, n, seed) if purpose is None else [0.0] * n
+    arrivals = arrival_times(workload.arrival, rate, n, seed) if purpose is None else [0.0] * n
     out = []
     for i in range(n):
         line = dataset[order[i % len(order)]] if dataset else None
         group = None
         if sp and key == "warmup":
-            group = i % sp["groups"]  # warm-up visits every prefix group in turn
-        elif sp and rng.random() < sp["share"]:
-            group = int(rng.integers(0, sp["groups"]))
+            group = i % sp.groups  # warm-up visits every prefix group in turn
+        elif sp and rng.random() < sp.share:
+            group = int(rng.integers(0, sp.groups))
         if line is not None:
             body = list(line["prompt_ids"])
             prompt = (prefixes[group] + body) if group is not None else body
         else:
-            total = _length(workload["input_len"], rng, None, "input_len")
+            total = _length(workload.input_len, rng, None, "input_len")
             head = prefixes[group] if group is not None else []
             prompt = head + rng.integers(low, high, total - len(head)).tolist()
-        olen = _length(workload["output_len"], rng, line, "output_len")
+        olen = _length(workload.output_len, rng, line, "output_len")
         out.append(WorkloadRequest(id=f"{key}-{i:04d}", prompt_ids=[int(t) for t in prompt], output_len=olen,
                                    arrival=arrivals[i], prefix_group=group))
     return out
 
 
-def build_warmup(workload: dict, seed: int, vocab_size: int, n: int, tokenizer: Any = None,
+def build_warmup(workload: WorkloadSpec, seed: int, vocab_size: int, n: int, tokenizer: Any = None,
                  dataset: Optional[list[dict]] = None) -> list[WorkloadRequest]:
     """Warm-up requests: drawn like the measured ones from their own stream, all arriving at 0; with shared
     prefixes, request i carries prefix group i % groups, so `warmup >= groups` warms every prefix."""
     return build_requests(workload, math.inf, seed, vocab_size, tokenizer, dataset, n=n, purpose="warmup")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Every request one variant will send: the warm-up requests and the measured ones per rate."""
+
+    warmup: tuple[WorkloadRequest, ...]
+    by_rate: dict[float, tuple[WorkloadRequest, ...]]
+
+    def at(self, rate: float) -> tuple[WorkloadRequest, ...]:
+        return self.by_rate[rate]
+
+
+def build_workload(variant: Any) -> Workload:
+    """Every request a variant (pdlab.recipe.Variant) will send. Built (seeded, cheaply) before anything starts,
+    so that a workload the model cannot serve is a recipe error now rather than failed requests later, and
+    what was checked is what is sent."""
+    from pdlab.engine.model import load_tokenizer, model_config
+
+    config = model_config(variant.model)
+    vocab = config.vocab_size
+    context = getattr(config, "max_position_embeddings", None)
+    tokenizer = load_tokenizer(variant.model)
+    wl = variant.workload
+    dataset = load_dataset(wl.dataset, tokenizer, vocab) if wl.dataset else None
+    warmup = build_warmup(wl, variant.seed, vocab, variant.warmup, tokenizer, dataset)
+    by_rate = {rate: tuple(build_requests(wl, rate, variant.seed, vocab, tokenizer, dataset))
+               for rate in variant.rates}
+    longest = max((len(r.prompt_ids) for reqs in [warmup, *by_rate.values()] for r in reqs), default=0)
+    if context and longest >= context:
+        raise WorkloadError(f"workload: prompts of up to {longest} tokens do not fit {variant.name}'s model "
+                            f"context of {context} tokens (input_len, shared_prefix.len or the dataset)")
+    return Workload(tuple(warmup), by_rate)

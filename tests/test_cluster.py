@@ -14,10 +14,20 @@ import time
 
 import pytest
 
+from pdlab.engine.config import EngineConfig
 from pdlab.kv import shm
-from pdlab.serve.cluster import (Cluster, ClusterError, RequestDone, StepEvent, TokenEvent, TransferEvent,
+from pdlab.recipe import Deployment, ModelSpec, RecipeError
+from pdlab.serve.cluster import (RequestDone, StepEvent, TokenEvent, TransferEvent,
                                  WorkerFailed)
+from pdlab.serve.cluster import Cluster as _Cluster
+from pdlab.serve.cluster import ClusterError
 import engine_helpers as eh
+
+
+def Cluster(model, engine, deployment, **kw):
+    """A cluster from recipe-shaped sections, parsed the way a recipe's are."""
+    return _Cluster(ModelSpec.from_raw(model, "model"), EngineConfig.from_raw(engine, "engine"),
+                    Deployment.from_raw(deployment, "deployment"), **kw)
 
 MODEL = {"preset": "tiny-llama"}
 ENGINE = {"block_size": 8, "kv_blocks": 48, "token_budget": 256, "max_running": 16}
@@ -206,11 +216,14 @@ def test_worker_killed_mid_run_fails_its_requests_cleanly():
 
 SCRIPT = """
 import sys, time
+from pdlab.engine.config import EngineConfig
+from pdlab.recipe import Deployment, ModelSpec
 from pdlab.serve.cluster import Cluster
 
 def main():
-    with Cluster({"preset": "tiny-llama"}, {"kv_blocks": 32, "block_size": 8},
-                 {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "push"}) as c:
+    with Cluster(ModelSpec(preset="tiny-llama"), EngineConfig(kv_blocks=32, block_size=8),
+                 Deployment.from_raw({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]},
+                                      "mode": "push"}, "deployment")) as c:
         c.start()
         print(c.run_prefix, *[w.pid for w in c.workers], flush=True)
         c.submit("a", [5] * 20, {"max_tokens": 100000, "ignore_eos": True})
@@ -249,25 +262,35 @@ def test_ctrl_c_stops_everything(tmp_path):
 
 
 @pytest.mark.parametrize("deployment,match", [
-    ({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:0"]}}, "both use cpu:0"),
+    ({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:0"]}}, "overlap on cpu:0"),
     ({"unified": {"replicas": 2, "devices": ["cpu:0"]}}, "cannot be split"),
-    ({"unified": {"devices": ["cpu:999"]}}, "cpu:999 does not exist"),
-    ({"unified": {"devices": ["cuda:7"]}}, "cuda:7 does not exist"),
-    ({"unified": {"replicas": 0, "devices": ["cpu:0"]}}, "zero unified workers"),
-    ({"prefill": {"devices": ["cpu:0"]}}, "zero decode workers"),
-    ({"prefill": {"replicas": 0, "devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}}, "zero prefill"),
+    ({"unified": {"replicas": 0, "devices": ["cpu:0"]}}, "unified.replicas: expected an integer >= 1"),
+    ({"prefill": {"devices": ["cpu:0"]}}, "decode: missing"),
+    ({"prefill": {"replicas": 0, "devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}},
+     "prefill.replicas: expected an integer >= 1"),
     ({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "transport": "cuda-ipc"},
-     "needs CUDA workers"),
+     "cuda-ipc needs cuda devices"),
     ({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "transport": "nixl"}, "nixl"),
     ({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "transport": "carrier-pigeon"},
-     "unknown transport"),
+     "transport: expected one of shm, cuda-ipc, host, nixl"),
     ({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "sideways"}, "mode"),
     ({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "first_token": "x"}, "first_token"),
     ({"unified": {"devices": ["gpu:0"]}}, "bad device spec"),
     ({"unified": {}, "decode": {}}, "not both"),
-    ({"unified": {}, "replica": 3}, "unknown keys"),
+    ({"unified": {"devices": ["cpu:0"]}, "replica": 3}, "replica: unknown key"),
 ])
-def test_bad_topologies_fail_before_any_process_starts(deployment, match):
+def test_bad_deployment_shapes_fail_before_any_process_starts(deployment, match):
+    before = multiprocessing.active_children()
+    with pytest.raises(RecipeError, match=match):
+        Cluster(MODEL, ENGINE, deployment)
+    assert multiprocessing.active_children() == before
+
+
+@pytest.mark.parametrize("deployment,match", [
+    ({"unified": {"devices": ["cpu:999"]}}, "cpu:999 does not exist"),
+    ({"unified": {"devices": ["cuda:7"]}}, "cuda:7 does not exist"),
+])
+def test_devices_the_machine_lacks_fail_before_any_process_starts(deployment, match):
     before = multiprocessing.active_children()
     with pytest.raises(ClusterError, match=match):
         Cluster(MODEL, ENGINE, deployment)

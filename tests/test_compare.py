@@ -11,12 +11,13 @@ import pytest
 from pdlab.commands.compare import main
 from pdlab.measure.metrics import build_request_record, summarize_run
 from pdlab.measure.records import RunDir, load_run
+from pdlab.recipe import SLO as Slo
 from pdlab.report.compare import compare, describe_deployment, render
 
-SLO = {"ttft_ms": 100.0, "itl_ms": 50.0, "itl_stat": "max", "attainment": 0.9}
-DEPS = {"unified": {"unified": {"replicas": 1, "devices": ["cpu:0"]}},
-        "disagg": {"prefill": {"replicas": 1, "devices": ["cpu:0"]}, "decode": {"replicas": 1, "devices": ["cpu:1"]},
-                   "transport": "shm", "mode": "push"}}
+SLO = Slo(ttft_ms=100.0, itl_ms=50.0, itl_stat="max", attainment=0.9)
+DEPS = {"unified": {"kind": "unified", "unified": {"replicas": 1, "devices": ["cpu:0"]}},
+        "disagg": {"kind": "disagg", "prefill": {"replicas": 1, "devices": ["cpu:0"]},
+                   "decode": {"replicas": 1, "devices": ["cpu:1"]}, "transport": "shm", "mode": "push"}}
 
 
 def make_run(path, itl_bad=(0, 3, 10), ttft_bad=(0, 0, 10), out_tok_gap=0.02):
@@ -41,7 +42,7 @@ def make_run(path, itl_bad=(0, 3, 10), ttft_bad=(0, 0, 10), out_tok_gap=0.02):
                     token_times=times, slo=SLO, workers={"unified": worker} if v == "unified" else
                     {"prefill": "prefill-0", "decode": worker}))
     with RunDir(str(path)) as rd:
-        rd.write_recipe({"name": "synthetic", "slo": SLO, "rates": [1.0, 2.0, math.inf],
+        rd.write_recipe({"name": "synthetic", "slo": SLO.to_raw(), "rates": [1.0, 2.0, math.inf],
                          "variants": {v: {"deployment": d} for v, d in DEPS.items()}})
         rd.append("requests", reqs)
         rd.append("steps", steps)

@@ -7,8 +7,9 @@ import pytest
 from pdlab.measure.attribution import attribute_gaps, ttft_parts
 from pdlab.measure.metrics import build_request_record, stats, summarize_rate, summarize_run, timings
 from pdlab.measure.slo import goodput, itl_value, miss_kind, request_slo
+from pdlab.recipe import SLO as Slo
 
-SLO = {"ttft_ms": 100.0, "itl_ms": 50.0, "itl_stat": "p99", "attainment": 0.9}
+SLO = Slo(ttft_ms=100.0, itl_ms=50.0, itl_stat="p99", attainment=0.9)
 
 
 def rec(id, arrival, times, slo=SLO, error=None, worker="u0", rate=1.0, variant="v", **kw):
@@ -45,7 +46,7 @@ def test_itl_stat_choices():
 
 
 def test_request_slo_and_miss_kinds():
-    slo = dict(SLO, itl_stat="max")
+    slo = SLO.replace(itl_stat="max")
     assert request_slo(True, 0.09, [0.04, 0.05], slo)["slo_ok"] is True  # <= is a pass
     r = request_slo(True, 0.2, [0.04], slo)
     assert (r["slo_ttft_ok"], r["slo_itl_ok"]) == (False, True)
@@ -155,7 +156,7 @@ def test_summarize_run_goodput_per_variant():
     # 1 -> 1.0, 2 -> 0.8: 1 + (1.0 - 0.9) / 0.2 * 1 = 1.5
     assert v["goodput"]["goodput"] == pytest.approx(1.5)
     assert v["saturation"]["output_tok_s"] == pytest.approx(20 / 0.55)
-    assert s["slo"] == SLO and s["partial"] is False
+    assert s["slo"] == SLO.to_raw() and s["partial"] is False
 
 
 def test_ttft_parts_wait_for_room_is_admission_not_transfer():

@@ -5,7 +5,8 @@ import os
 import pytest
 import yaml
 
-from pdlab.recipe import RecipeError, dump_recipe, load_recipe, parse_recipe
+from pdlab.engine.config import EngineConfig
+from pdlab.recipe import SLO, PlannedWorker, RecipeError, dump_recipe, load_recipe, parse_recipe
 
 BASE = {
     "name": "t",
@@ -34,28 +35,30 @@ def test_defaults_are_filled_and_variants_resolve():
     assert r.variant_names == ["unified", "disagg"]
     assert r.rates == [1.0, 2.0, math.inf]
     u = r.resolved("unified")
-    assert u["warmup"] == 2 and u["seed"] == 0
-    assert u["engine"]["token_budget"] == 2048 and u["engine"]["kv_blocks"] == "auto"
-    assert u["slo"] == {"ttft_ms": 1000.0, "itl_ms": 50.0, "itl_stat": "p99", "attainment": 0.9}
-    assert u["model"]["dtype"] == "float32"  # cpu default
-    assert u["deployment"]["kind"] == "unified"
-    assert u["deployment"]["workers"] == [
-        {"name": "unified-0", "role": "unified", "devices": ["cpu:0"]},
-        {"name": "unified-1", "role": "unified", "devices": ["cpu:1"]},
-    ]
+    assert u.warmup == 2 and u.seed == 0
+    assert u.engine.token_budget == 2048 and u.engine.kv_blocks == "auto"
+    assert u.slo == SLO(ttft_ms=1000.0, itl_ms=50.0, itl_stat="p99", attainment=0.9)
+    assert u.model.dtype == "float32"  # cpu default
+    assert u.deployment.kind == "unified"
+    assert u.deployment.workers == (
+        PlannedWorker("unified0", "unified", ("cpu:0",)),
+        PlannedWorker("unified1", "unified", ("cpu:1",)),
+    )
     d = r.resolved("disagg")
-    assert d["deployment"]["kind"] == "disagg"
-    assert d["deployment"]["transport"] == "shm"  # cpu default
-    assert d["deployment"]["mode"] == "push" and d["deployment"]["first_token"] == "decode"
-    assert [w["role"] for w in d["deployment"]["workers"]] == ["prefill", "decode"]
+    assert d.deployment.kind == "disagg"
+    assert d.deployment.transport == "shm"  # cpu default
+    assert d.deployment.mode == "push" and d.deployment.first_token == "decode"
+    assert [w.role for w in d.deployment.workers] == ["prefill", "decode"]
 
 
 def test_devices_split_evenly_among_replicas():
     raw = dict(BASE, variants={"u": {"deployment": {"unified": {"replicas": 2, "devices": ["cuda:0-7"]}}}})
-    w = parse_recipe(raw).resolved("u")["deployment"]["workers"]
-    assert w[0]["devices"] == [f"cuda:{i}" for i in range(4)]
-    assert w[1]["devices"] == [f"cuda:{i}" for i in range(4, 8)]
-    assert parse_recipe(raw).resolved("u")["model"]["dtype"] == "bfloat16"  # cuda default
+    w = parse_recipe(raw).resolved("u").deployment.workers
+    assert w[0].devices == tuple(f"cuda:{i}" for i in range(4))
+    assert w[1].devices == tuple(f"cuda:{i}" for i in range(4, 8))
+    assert parse_recipe(raw).resolved("u").model.dtype == "bfloat16"  # cuda default
+    d = parse_recipe(raw, sets=["variants.u.deployment={prefill: {devices: [cuda:0-3]}, decode: {devices: [cuda:4-7]}}"])
+    assert d.resolved("u").deployment.transport == "cuda-ipc"  # cuda default
 
 
 def test_variant_engine_overrides_deep_merge_over_base():
@@ -63,16 +66,17 @@ def test_variant_engine_overrides_deep_merge_over_base():
     raw["variants"] = dict(BASE["variants"], chunked={
         "engine": {"chunked_prefill": True},
         "deployment": {"unified": {"devices": ["cpu:0"]}}})
-    e = parse_recipe(raw).resolved("chunked")["engine"]
-    assert (e["token_budget"], e["chunk_size"], e["chunked_prefill"]) == (512, 128, True)
+    e = parse_recipe(raw).resolved("chunked").engine
+    assert (e.token_budget, e.chunk_size, e.chunked_prefill) == (512, 128, True)
+    assert isinstance(e, EngineConfig)
 
 
 def test_base_deployment_is_used_and_a_variant_shape_replaces_it():
     raw = dict(BASE, deployment={"unified": {"devices": ["cpu:0"]}})
     raw["variants"] = {"plain": {}, "pd": BASE["variants"]["disagg"]}
     r = parse_recipe(raw)
-    assert r.resolved("plain")["deployment"]["kind"] == "unified"
-    assert r.resolved("pd")["deployment"]["kind"] == "disagg"
+    assert r.resolved("plain").deployment.kind == "unified"
+    assert r.resolved("pd").deployment.kind == "disagg"
 
 
 def test_no_variants_means_one_default_variant():
@@ -85,8 +89,8 @@ def test_set_overrides_parse_yaml_values():
     r = parse_recipe(BASE, sets=["engine.chunked_prefill=true", "engine.chunk_size=256", "rates=[1, inf]",
                                  "variants.disagg.deployment.mode=pull", "slo.itl_stat=max"])
     d = r.resolved("disagg")
-    assert d["engine"]["chunked_prefill"] is True and d["engine"]["chunk_size"] == 256
-    assert d["rates"] == [1.0, math.inf] and d["deployment"]["mode"] == "pull" and d["slo"]["itl_stat"] == "max"
+    assert d.engine.chunked_prefill is True and d.engine.chunk_size == 256
+    assert d.rates == (1.0, math.inf) and d.deployment.mode == "pull" and d.slo.itl_stat == "max"
 
 
 def test_variants_selection():
@@ -133,7 +137,26 @@ def test_bad_recipes_get_one_clear_message(sets, needle):
 def test_overlap_allowed_when_declared_shared():
     r = parse_recipe(BASE, sets=["variants.disagg.deployment.decode.devices=[cpu:0]",
                                  "variants.disagg.deployment.share_devices=true"])
-    assert [w["devices"] for w in r.resolved("disagg")["deployment"]["workers"]] == [["cpu:0"], ["cpu:0"]]
+    assert [w.devices for w in r.resolved("disagg").deployment.workers] == [("cpu:0",), ("cpu:0",)]
+
+
+def test_shared_devices_place_replicas_round_robin():
+    """More replicas than devices: an error unless sharing is declared, then replicas take the devices in turn
+    (two prefill workers on core 0 beside a decode worker on core 1, as test_cluster's 2P1D runs)."""
+    dep = "variants.disagg.deployment.prefill={replicas: 2, devices: [cpu:0]}"
+    assert "1 devices cannot be split evenly among 2 replicas" in err(BASE, dep)
+    r = parse_recipe(BASE, sets=[dep, "variants.disagg.deployment.share_devices=true"])
+    d = r.resolved("disagg").deployment
+    assert [(w.name, w.devices) for w in d.workers] == [
+        ("prefill0", ("cpu:0",)), ("prefill1", ("cpu:0",)), ("decode0", ("cpu:1",))]
+    assert d.prefill.devices == ("cpu:0", "cpu:0")  # one spec per replica once resolved
+
+
+def test_recipe_yaml_records_the_deployment_kind():
+    out = parse_recipe(BASE).to_dict()
+    assert out["variants"]["unified"]["deployment"]["kind"] == "unified"
+    assert out["variants"]["disagg"]["deployment"]["kind"] == "disagg"
+    assert "kind: unified does not match" in err(BASE, "variants.disagg.deployment.kind=unified")
 
 
 def test_disagg_needs_both_roles():
@@ -154,6 +177,7 @@ def test_round_trip_through_recipe_yaml(tmp_path):
     r2 = load_recipe(str(p))
     for v in r.variant_names:
         assert r2.resolved(v) == r.resolved(v)
+    assert r2.to_dict() == r.to_dict()
 
 
 def test_load_errors(tmp_path):

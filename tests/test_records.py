@@ -78,7 +78,9 @@ def test_finalize_summary_equals_a_recomputation_from_requests_jsonl(tmp_path):
     from pdlab.measure.finish import finalize
     from pdlab.measure.metrics import build_request_record, summarize_run
 
-    slo = {"ttft_ms": 100.0, "itl_ms": 50.0, "itl_stat": "p99", "attainment": 0.9}
+    from pdlab.recipe import SLO
+
+    slo = SLO(ttft_ms=100.0, itl_ms=50.0, itl_stat="p99", attainment=0.9)
     rd = RunDir(str(tmp_path / "r"))
     for rate in (1.0, math.inf):
         rd.append("requests", [build_request_record(variant="u", rate=rate, id=str(i), prompt_ids=[1, 2],

@@ -9,6 +9,7 @@ import pytest
 
 from pdlab.measure.metrics import summarize_run
 from pdlab.measure.records import load_run
+from pdlab.recipe import SLO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")
@@ -55,7 +56,7 @@ def test_every_request_served_and_disaggregated_equals_unified(tiny_run):
 def test_summary_is_what_the_records_say(tiny_run):
     run = load_run(tiny_run)
     grid = {v: [20.0, float("inf")] for v in ("unified", "disagg")}
-    again = summarize_run(run.requests, run.steps, run.transfers, run.summary["slo"], grid=grid)
+    again = summarize_run(run.requests, run.steps, run.transfers, SLO.from_raw(run.summary["slo"], "slo"), grid=grid)
     assert json.loads(json.dumps(again, default=str)) == json.loads(json.dumps(run.summary, default=str))
 
 

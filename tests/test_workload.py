@@ -4,7 +4,18 @@ import math
 import numpy as np
 import pytest
 
-from pdlab.workload import WorkloadError, arrival_times, build_requests, build_warmup, load_dataset, rate_tag
+from pdlab.recipe import ArrivalSpec, WorkloadSpec
+from pdlab.workload import WorkloadError, build_requests, build_warmup, load_dataset, rate_tag
+from pdlab.workload import arrival_times as _arrival_times
+
+
+def arrival_times(raw, rate, n, seed):
+    return _arrival_times(ArrivalSpec.from_raw(raw, "arrival"), rate, n, seed)
+
+
+def spec(raw):
+    return WorkloadSpec.from_raw(raw, "workload")
+
 
 W = {"requests": 200, "arrival": {"kind": "poisson"}, "input_len": {"kind": "uniform", "min": 20, "max": 40},
      "output_len": {"kind": "fixed", "value": 7}, "shared_prefix": None, "dataset": None,
@@ -12,15 +23,15 @@ W = {"requests": 200, "arrival": {"kind": "poisson"}, "input_len": {"kind": "uni
 
 
 def test_same_seed_same_requests_and_arrivals():
-    a = build_requests(W, 2.0, seed=3, vocab_size=512)
-    b = build_requests(W, 2.0, seed=3, vocab_size=512)
+    a = build_requests(spec(W), 2.0, seed=3, vocab_size=512)
+    b = build_requests(spec(W), 2.0, seed=3, vocab_size=512)
     assert a == b
-    c = build_requests(W, 2.0, seed=4, vocab_size=512)
+    c = build_requests(spec(W), 2.0, seed=4, vocab_size=512)
     assert [r.prompt_ids for r in a] != [r.prompt_ids for r in c]
 
 
 def test_lengths_and_token_range():
-    reqs = build_requests(W, 1.0, seed=0, vocab_size=512)
+    reqs = build_requests(spec(W), 1.0, seed=0, vocab_size=512)
     lens = [len(r.prompt_ids) for r in reqs]
     assert min(lens) >= 20 and max(lens) <= 40 and len(set(lens)) > 5
     assert all(r.output_len == 7 for r in reqs)
@@ -52,15 +63,15 @@ def test_gamma_burstiness_controls_spread():
 
 
 def test_rate_changes_arrivals_and_prompts_but_not_the_distribution():
-    a = build_requests(W, 1.0, 0, 512)
-    b = build_requests(W, 2.0, 0, 512)
+    a = build_requests(spec(W), 1.0, 0, 512)
+    b = build_requests(spec(W), 2.0, 0, 512)
     # prompts differ per rate so a long-lived worker's prefix cache cannot hit the previous rate's prompts
     assert a[0].prompt_ids != b[0].prompt_ids
     assert a[1].arrival == pytest.approx(2 * b[1].arrival)
 
 
 def test_shared_prefix_groups():
-    w = dict(W, shared_prefix={"groups": 3, "len": 16, "share": 0.5})
+    w = spec(dict(W, shared_prefix={"groups": 3, "len": 16, "share": 0.5}))
     reqs = build_requests(w, 1.0, 0, 512)
     grouped = [r for r in reqs if r.prefix_group is not None]
     assert 0.35 < len(grouped) / len(reqs) < 0.65
@@ -84,7 +95,7 @@ def test_dataset_ids_and_text(tmp_path):
                  + json.dumps({"prompt": "a b", "output_len": 2}) + "\n")
     rows = load_dataset(str(p), tokenizer=lambda s: [100 + len(w) for w in s.split()])
     assert rows == [{"prompt_ids": [11, 12, 13], "output_len": 5}, {"prompt_ids": [101, 101], "output_len": 2}]
-    w = dict(W, requests=4, dataset=str(p), input_len={"kind": "dataset"}, output_len={"kind": "dataset"})
+    w = spec(dict(W, requests=4, dataset=str(p), input_len={"kind": "dataset"}, output_len={"kind": "dataset"}))
     reqs = build_requests(w, 1.0, 0, 512, tokenizer=lambda s: [100 + len(x) for x in s.split()])
     pairs = sorted((tuple(r.prompt_ids), r.output_len) for r in reqs)
     assert pairs == [((11, 12, 13), 5)] * 2 + [((101, 101), 2)] * 2  # each line once before any repeats
@@ -105,14 +116,14 @@ def test_dataset_errors(tmp_path):
 
 def test_token_range_must_fit_vocab():
     with pytest.raises(WorkloadError):
-        build_requests(dict(W, token_high=1000), 1.0, 0, 512)
+        build_requests(spec(dict(W, token_high=1000)), 1.0, 0, 512)
 
 
 def test_warmup_is_separate_and_immediate():
-    wu = build_warmup(W, 0, 512, n=2)
+    wu = build_warmup(spec(W), 0, 512, n=2)
     assert [r.arrival for r in wu] == [0.0, 0.0]
     assert wu[0].id.startswith("warmup-")
-    assert wu[0].prompt_ids != build_requests(W, math.inf, 0, 512)[0].prompt_ids
+    assert wu[0].prompt_ids != build_requests(spec(W), math.inf, 0, 512)[0].prompt_ids
 
 
 def test_rate_tag():

@@ -15,22 +15,21 @@ def _err(msg: str) -> int:
 
 def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Optional[str]) -> int:
     from pdlab.engine.model import ModelLoadError
-    from pdlab.harness import Harness, RunAborted, check_deployments
+    from pdlab.harness import Harness, RunAborted, check_machine
     from pdlab.measure.finish import finalize
     from pdlab.measure.records import RunDir, default_run_path
     from pdlab.recipe import RecipeError, load_recipe
     from pdlab.report.live import LiveView
     from pdlab.serve.topology import ClusterError
-    from pdlab.workload import WorkloadError
+    from pdlab.workload import WorkloadError, build_workload
 
     # Everything that can be wrong with the recipe is found here, before anything starts.
     try:
         recipe = load_recipe(recipe_path, sets, variants)
-        check_deployments(recipe)
-        workloads = {v: build_workload(recipe.resolved(v)) for v in recipe.variant_names}
+        check_machine(recipe)
+        workloads = {name: build_workload(v) for name, v in recipe.variants.items()}
     except (RecipeError, ClusterError, ModelLoadError, WorkloadError) as e:
         return _err(str(e))
-    first = recipe.resolved(recipe.variant_names[0])
     path = out or default_run_path(recipe.name)
     if os.path.exists(path) and not os.path.isdir(path):
         return _err(f"--out {path}: exists and is not a directory")
@@ -45,7 +44,7 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     rd.write_recipe(recipe)
     rd.write_env()
     grid = {v: recipe.rates for v in recipe.variant_names}
-    slo = first["slo"]
+    slo = recipe.slo
     partial, reason, code = False, None, 0
     # SIGTERM ends the run like Ctrl-C does: cleanly, with what was measured.
     old_term = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -67,29 +66,6 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
         print(f"run stopped early: {reason}", file=sys.stderr)
     print(path)
     return code
-
-
-def build_workload(cfg: dict) -> dict:
-    """Every request this variant will send: {"warmup": [...], rate: [...]}. Built (seeded, cheaply) before
-    anything starts, so that a workload the model cannot serve is a recipe error now rather than failed
-    requests later, and what was checked is what is sent."""
-    from pdlab.engine.model import load_tokenizer, model_config
-    from pdlab.workload import WorkloadError, build_requests, build_warmup, load_dataset
-
-    config = model_config(cfg["model"])
-    vocab = config.vocab_size
-    context = getattr(config, "max_position_embeddings", None)
-    tokenizer = load_tokenizer(cfg["model"])
-    wl = cfg["workload"]
-    dataset = load_dataset(wl["dataset"], tokenizer, vocab) if wl.get("dataset") else None
-    out: dict = {"warmup": build_warmup(wl, cfg["seed"], vocab, cfg["warmup"], tokenizer, dataset)}
-    for rate in cfg["rates"]:
-        out[rate] = build_requests(wl, rate, cfg["seed"], vocab, tokenizer, dataset)
-    longest = max((len(r.prompt_ids) for reqs in out.values() for r in reqs), default=0)
-    if context and longest >= context:
-        raise WorkloadError(f"workload: prompts of up to {longest} tokens do not fit {cfg['variant']}'s model "
-                            f"context of {context} tokens (input_len, shared_prefix.len or the dataset)")
-    return out
 
 
 def _print_table(path: str) -> None:

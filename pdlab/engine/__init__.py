@@ -25,11 +25,22 @@ layer has written its KV during a step (push-mode transfers); `eng.step_requests
 requests the current step is running.
 """
 
-from pdlab.engine.config import EngineConfig, RequestError, SamplingParams
-from pdlab.engine.engine import Engine, HandoffInfo, Reservation, StepOutput, StepRecord, TokenOut
-from pdlab.engine.model import PRESETS, ModelLoadError, load_model
+from typing import Any
 
-__all__ = [
-    "Engine", "EngineConfig", "SamplingParams", "RequestError", "StepOutput", "StepRecord", "TokenOut",
-    "HandoffInfo", "Reservation", "load_model", "ModelLoadError", "PRESETS",
-]
+# Names resolve on first use (PEP 562), so that importing pdlab.engine.config or .model does not pull in
+# torch: a worker process sets CUDA_VISIBLE_DEVICES and its CPU affinity before torch is imported.
+_WHERE = {
+    "EngineConfig": "config", "SamplingParams": "config", "RequestError": "config",
+    "Engine": "engine", "HandoffInfo": "engine", "Reservation": "engine", "StepOutput": "engine",
+    "StepRecord": "engine", "TokenOut": "engine",
+    "load_model": "model", "ModelLoadError": "model", "PRESETS": "model",
+}
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'pdlab.engine' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(f"pdlab.engine.{_WHERE[name]}"), name)

@@ -21,6 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from pdlab.constants import cdiv
+
 ATTN_NAME = "pdlab_paged"
 
 
@@ -114,7 +116,7 @@ def _attend_in_place(q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor,
     bs = k_blocks.shape[1]
     scale = scaling if scaling is not None else head_dim ** -0.5
     for row, first, n in views:
-        nb = -(-n // bs)
+        nb = cdiv(n, bs)
         k = k_blocks[first:first + nb].view(-1, kv_heads, head_dim)[:n]  # [n, Hkv, D], a view
         v = v_blocks[first:first + nb].view(-1, kv_heads, head_dim)[:n]
         qh = q[row].view(kv_heads, heads // kv_heads, head_dim)  # [Hkv, G, D]

@@ -17,6 +17,7 @@ import hashlib
 from collections import OrderedDict
 from typing import Collection, Optional
 
+from pdlab.constants import cdiv
 from pdlab.engine.sequence import Sequence
 
 
@@ -61,7 +62,7 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """New blocks `seq` needs so that its first `num_tokens` tokens have slots."""
-        need = -(-num_tokens // self.block_size)
+        need = cdiv(num_tokens, self.block_size)
         return max(0, need - len(seq.block_table))
 
     def can_allocate(self, seq: Sequence, num_tokens: int, hits: Collection[int] = ()) -> bool:
@@ -122,7 +123,7 @@ class BlockManager:
         if starting and new:
             # Keep the blocks the request may still grow into (rest of its prompt and its outputs) at the
             # back of the free list, for as long as others can do without them.
-            headroom = min(256, -(-(seq.prompt_len + seq.params.max_tokens) // self.block_size))
+            headroom = min(256, cdiv(seq.prompt_len + seq.params.max_tokens, self.block_size))
             last = new[-1]
             for b in range(last + 1, min(last + 1 + headroom, self.num_blocks)):
                 if b in self.free:

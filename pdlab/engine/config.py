@@ -3,43 +3,37 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Any, Optional, Union
+
+from pdlab.fields import RecipeError, Section, key_of, optional, spec, to_bool, to_float, to_int
 
 
 class RequestError(ValueError):
     """A request that cannot be served (bad prompt, bad parameters). The engine keeps serving others."""
 
 
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    kv_blocks: Union[int, str] = "auto"  # "auto": sized from memory and max_running
-    token_budget: int = 2048  # tokens per step, decode and prefill together
-    chunked_prefill: bool = False
-    chunk_size: int = 512
-    prefix_caching: bool = True
-    max_running: int = 64
-    max_model_len: Optional[int] = None  # default: the model's max_position_embeddings
-    kv_memory_fraction: float = 0.5  # share of free memory "auto" may take for the KV pool
+def _kv_blocks(v: Any) -> Union[int, str]:
+    return v if v == "auto" else to_int(1)(v)
 
-    def validate(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(msg)
 
-        need(self.block_size >= 1, f"engine.block_size must be >= 1, got {self.block_size}")
-        need(self.token_budget >= 1, f"engine.token_budget must be >= 1, got {self.token_budget}")
-        need(self.chunk_size >= 1, f"engine.chunk_size must be >= 1, got {self.chunk_size}")
-        need(self.max_running >= 1, f"engine.max_running must be >= 1, got {self.max_running}")
-        need(
-            self.kv_blocks == "auto" or (isinstance(self.kv_blocks, int) and self.kv_blocks >= 1),
-            f"engine.kv_blocks must be 'auto' or an integer >= 1, got {self.kv_blocks!r}",
-        )
-        if self.chunked_prefill:
-            need(
-                self.chunk_size <= self.token_budget,
-                f"engine.chunk_size ({self.chunk_size}) must be <= engine.token_budget ({self.token_budget})",
-            )
+@dataclass(frozen=True)
+class EngineConfig(Section):
+    """Engine knobs: the recipe's `engine` section, and what `Engine` takes in Python."""
+
+    block_size: int = spec(16, "an integer >= 1 (tokens per KV block)", to_int(1))
+    kv_blocks: Union[int, str] = spec("auto", "auto or an integer >= 1", _kv_blocks)  # auto: from memory
+    token_budget: int = spec(2048, "an integer >= 1 (tokens per step)", to_int(1))  # decode and prefill together
+    chunked_prefill: bool = spec(False, "true or false", to_bool)
+    chunk_size: int = spec(512, "an integer >= 1 (tokens per prefill chunk)", to_int(1))
+    prefix_caching: bool = spec(True, "true or false", to_bool)
+    max_running: int = spec(64, "an integer >= 1 (sequences per step)", to_int(1))
+    max_model_len: Optional[int] = spec(None, "null or an integer >= 1", optional(to_int(1)))  # None: the model's
+    kv_memory_fraction: float = spec(0.5, "a fraction in (0, 1]", to_float(0.0, 1.0))  # of free memory, for auto
+
+    def check(self, where: str) -> None:
+        if self.chunked_prefill and self.chunk_size > self.token_budget:
+            raise RecipeError(f"{key_of(where, 'chunk_size')} ({self.chunk_size}) must be <= engine.token_budget "
+                              f"({self.token_budget}) when chunked_prefill is true")
 
 
 @dataclass

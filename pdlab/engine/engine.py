@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from pdlab.constants import ROLES, cdiv
 from pdlab.engine.blocks import BlockManager
 from pdlab.engine.config import EngineConfig, RequestError, SamplingParams
 from pdlab.engine.model import model_dims
@@ -17,7 +18,6 @@ from pdlab.engine.sampler import make_generator, sample
 from pdlab.engine.scheduler import Scheduler
 from pdlab.engine.sequence import Sequence, Status
 
-ROLES = ("unified", "prefill", "decode")
 CPU_AUTO_KV_BYTES = 1 << 30  # "auto" on CPU: at most 1 GiB of pool per worker
 
 
@@ -73,7 +73,7 @@ class Engine:
                  kv_alloc: Optional[Callable[[tuple, torch.dtype], torch.Tensor]] = None):
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        config.validate()
+        config.validate("engine")
         self.model, self.config, self.role = model, config, role
         dims = model_dims(model)
         self.dims = dims
@@ -100,7 +100,7 @@ class Engine:
         return d["layers"] * 2 * self.config.block_size * d["kv_heads"] * d["head_dim"] * self.dtype.itemsize
 
     def _auto_blocks(self) -> int:
-        per_seq = -(-self.max_model_len // self.config.block_size)
+        per_seq = cdiv(self.max_model_len, self.config.block_size)
         want = self.config.max_running * per_seq
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -124,7 +124,7 @@ class Engine:
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"request {req_id!r}: prompt of {len(prompt_ids)} tokens does not fit the "
                                f"model's context of {self.max_model_len} tokens")
-        need = -(-(len(prompt_ids) + 1) // self.config.block_size)
+        need = cdiv(len(prompt_ids) + 1, self.config.block_size)
         if need > self.blocks.num_blocks:
             raise RequestError(f"request {req_id!r}: prompt of {len(prompt_ids)} tokens needs {need} KV blocks; "
                                f"the whole pool has {self.blocks.num_blocks}")
@@ -256,7 +256,7 @@ class Engine:
     def handoff(self, req_id: str) -> HandoffInfo:
         seq = self.seqs[req_id]
         assert seq.status == Status.HANDOFF, f"{req_id} is {seq.status.value}, not handed off"
-        n = -(-seq.prompt_len // self.config.block_size)
+        n = cdiv(seq.prompt_len, self.config.block_size)
         return HandoffInfo(req_id, seq.prompt_ids, seq.output_ids[0], seq.block_table[:n], list(seq.block_hashes))
 
     def release(self, req_id: str) -> None:

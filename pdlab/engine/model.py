@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional
+
+from pdlab.constants import DTYPES
 
 
 class ModelLoadError(ValueError):
@@ -42,8 +44,6 @@ PRESETS: dict[str, Preset] = {
     "gpu-0.6b": Preset("qwen3", 151936, 1024, 28, 16, 8, 3072, 40960, 0.02),
 }
 
-DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
-          "float16": "float16", "fp16": "float16", "auto": "auto"}
 
 
 def preset_config(name: str) -> Any:
@@ -75,21 +75,22 @@ def _torch_dtype(dtype: str) -> Any:
     return key if key == "auto" else getattr(torch, key)
 
 
-def load_model(spec: Union[str, dict], dtype: str = "float32", device: str = "cpu", seed: int = 0) -> Any:
+def load_model(spec: Any, dtype: str = "float32", device: str = "cpu", seed: int = 0) -> Any:
     """Load a causal LM, ready for pdlab's attention.
 
-    `spec` is a preset name, a local model directory, a model id already in the local HF cache, or a
-    recipe dict ``{preset: NAME}`` / ``{path: DIR, dtype: ..., device: ...}``. Nothing is downloaded.
+    `spec` is a preset name, a local model directory, a model id already in the local HF cache, a recipe's
+    ModelSpec, or a dict of its fields ``{preset: NAME}`` / ``{path: DIR, dtype: ..., device: ...}``.
+    Nothing is downloaded.
     """
     import torch
 
     from pdlab.engine.attention import ATTN_NAME, register
 
-    if isinstance(spec, dict):
+    if not isinstance(spec, str):
         # a recipe's model section may carry device/dtype: None ("the worker's default"): keep ours then
-        dtype = spec.get("dtype") or dtype
-        device = spec.get("device") or device
-        seed = spec.get("seed") if spec.get("seed") is not None else seed
+        dtype = _field(spec, "dtype") or dtype
+        device = _field(spec, "device") or device
+        seed = _field(spec, "seed") if _field(spec, "seed") is not None else seed
     spec = _source(spec)
     register()
     tdtype = _torch_dtype(dtype)
@@ -111,12 +112,17 @@ def load_model(spec: Union[str, dict], dtype: str = "float32", device: str = "cp
     return model
 
 
-def _source(spec: Union[str, dict]) -> str:
-    """The preset name or path a spec (string or recipe dict) names."""
-    if isinstance(spec, dict):
-        if spec.get("preset") is not None:
-            preset_config(spec["preset"])  # unknown preset: say so, rather than look on disk
-        spec = spec.get("preset") or spec.get("path") or ""
+def _field(spec: Any, name: str) -> Any:
+    """A key of a dict spec or an attribute of a ModelSpec."""
+    return spec.get(name) if isinstance(spec, dict) else getattr(spec, name, None)
+
+
+def _source(spec: Any) -> str:
+    """The preset name or path a spec (string, ModelSpec or dict of its fields) names."""
+    if not isinstance(spec, str):
+        if _field(spec, "preset") is not None:
+            preset_config(_field(spec, "preset"))  # unknown preset: say so, rather than look on disk
+        spec = _field(spec, "preset") or _field(spec, "path") or ""
     if not spec:
         raise ModelLoadError("model: give a preset name or a local model directory")
     return spec
@@ -179,13 +185,13 @@ def _eos_ids(model: Any) -> list[int]:
     return list(ids) if isinstance(ids, (list, tuple)) else [int(ids)]
 
 
-def model_config(spec: Union[str, dict]) -> Any:
+def model_config(spec: Any) -> Any:
     """The model's config without loading weights (for vocabulary size and the like)."""
     name = _source(spec)
     return preset_config(name) if name in PRESETS else _disk_config(name)
 
 
-def load_tokenizer(spec: Union[str, dict]) -> Any:
+def load_tokenizer(spec: Any) -> Any:
     """The model's tokenizer when it has one on disk (presets have none: prompts are token ids)."""
     path = _source(spec)
     if path in PRESETS:

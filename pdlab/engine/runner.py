@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from pdlab.constants import cdiv
 from pdlab.engine.attention import AttnContext, PrefillSegment, set_context
 from pdlab.engine.sequence import Sequence
 
@@ -61,7 +62,7 @@ class ModelRunner:
                     views.append((row, table[0], end))
                     continue
                 decode_rows.append(row)
-                need = -(-end // bs)
+                need = cdiv(end, bs)
                 decode_tables.append(table if len(table) == need else table[:need])
                 decode_lens.append(end)
                 continue
@@ -71,7 +72,7 @@ class ModelRunner:
             if start == 0:
                 prefills.append(PrefillSegment(row, row + n, end, None, None))
             else:
-                blocks = _long(table[: -(-end // bs)], self.device)
+                blocks = _long(table[: cdiv(end, bs)], self.device)
                 mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
                 prefills.append(PrefillSegment(row, row + n, end, blocks, mask.to(self.device)))
             if end == seq.num_tokens:

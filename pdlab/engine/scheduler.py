@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdlab.constants import cdiv
 from pdlab.engine.blocks import BlockManager
 from pdlab.engine.config import EngineConfig
 from pdlab.engine.sequence import Sequence, Status
@@ -135,7 +136,7 @@ class Scheduler:
 
     def _fail_if_too_big(self, seq: Sequence, batch: ScheduledBatch) -> None:
         """A request needing more blocks than the whole pool never fits: fail it rather than wait forever."""
-        if -(-seq.num_tokens // self.blocks.block_size) > self.blocks.num_blocks:
+        if cdiv(seq.num_tokens, self.blocks.block_size) > self.blocks.num_blocks:
             if seq in self.waiting:
                 self.waiting.remove(seq)
             if seq in batch.preempted:

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from pdlab.constants import cdiv
 from pdlab.kv import shm
 from pdlab.kv.transfer import copy_blocks
 
@@ -45,7 +46,7 @@ def kv_shape(preset: str = "cpu-demo", tokens: int = 2048, block_size: int = 16)
     from pdlab.engine.model import PRESETS
 
     p = PRESETS[preset]
-    return (p.layers, 2, -(-tokens // block_size), block_size, p.kv_heads, p.hidden_size // p.heads)
+    return (p.layers, 2, cdiv(tokens, block_size), block_size, p.kv_heads, p.hidden_size // p.heads)
 
 
 def shape_for_mb(mb: float, like: tuple[int, ...], itemsize: int = 4) -> tuple[int, ...]:

@@ -21,10 +21,8 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from pdlab.constants import GPU_TRANSPORTS, TRANSPORTS_AVAILABLE
 from pdlab.kv import shm
-
-TRANSPORTS = ("shm", "cuda-ipc", "host", "nixl")
-MODES = ("pull", "push")
 
 
 @dataclass
@@ -185,13 +183,13 @@ def make_transport(name: str, worker: str, run_prefix: str, device: str = "cpu",
     """The transport end for one worker. `run_prefix` names its shared segments (swept on stop)."""
     if name == "shm":
         return ShmTransport(worker, f"{run_prefix}{worker}-kv")
-    if name in ("cuda-ipc", "host"):
+    if name in GPU_TRANSPORTS:
         from pdlab.kv.cuda_ipc import CudaIpcTransport, HostTransport
 
         if name == "cuda-ipc":
             return CudaIpcTransport(worker, device, visible)
         return HostTransport(worker, device, f"{run_prefix}{worker}-host")
-    raise ValueError(f"transport {name!r} is not available here (known: shm, cuda-ipc, host)")
+    raise ValueError(f"transport {name!r} is not available here (known: {', '.join(TRANSPORTS_AVAILABLE)})")
 
 
 def timed_copy(src_pool: torch.Tensor, src_blocks: Sequence[int], dst_pool: torch.Tensor,

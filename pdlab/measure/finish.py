@@ -9,9 +9,10 @@ from typing import Optional
 from pdlab.measure.metrics import summarize_run
 from pdlab.measure.records import RunDir, load_run
 from pdlab.measure.trace import build_trace
+from pdlab.recipe.slo import SLO
 
 
-def finalize(rd: RunDir, slo: dict, grid: Optional[dict[str, list[float]]] = None, partial: bool = False,
+def finalize(rd: RunDir, slo: SLO, grid: Optional[dict[str, list[float]]] = None, partial: bool = False,
              reason: Optional[str] = None, plots: bool = True) -> dict:
     """Write summary.json (with `partial`/`reason` when cut short), trace.json and the PNG plots.
 

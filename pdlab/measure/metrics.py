@@ -14,21 +14,20 @@ from typing import Any, Iterable, Optional
 
 import numpy as np
 
+from pdlab.constants import MISS_KINDS, STATS
 from pdlab.measure.attribution import PARTS, attribute_gaps, interference_summary, ttft_parts
-from pdlab.measure.slo import MISS_KINDS, goodput, miss_kind, request_slo
-
-STAT_KEYS = ("mean", "p50", "p90", "p99", "max")
+from pdlab.measure.slo import SLO, goodput, miss_kind, request_slo
 
 
 def stats(values: Iterable[float], scale: float = 1.0) -> dict:
     """mean/p50/p90/p99/max of `values` times `scale` (None for each when empty), plus the count."""
     v = np.asarray([x for x in values if x is not None], dtype=float) * scale
     if v.size == 0:
-        return {k: None for k in STAT_KEYS} | {"n": 0}
+        return {k: None for k in STATS} | {"n": 0}
     out = {"mean": float(v.mean()), "max": float(v.max()), "n": int(v.size)}
     for q in (50, 90, 99):
         out[f"p{q}"] = float(np.percentile(v, q))
-    return {k: out[k] for k in (*STAT_KEYS, "n")}
+    return {k: out[k] for k in (*STATS, "n")}
 
 
 def as_rate(rate: Any) -> float:
@@ -52,7 +51,7 @@ def timings(arrival: float, token_times: list[float]) -> dict:
 
 
 def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list[int], output_ids: list[int],
-                         arrival: float, token_times: list[float], slo: dict, error: Optional[str] = None,
+                         arrival: float, token_times: list[float], slo: SLO, error: Optional[str] = None,
                          phases: Optional[dict] = None, workers: Optional[dict] = None, cached_tokens: int = 0,
                          warmup: bool = False) -> dict:
     """One requests.jsonl line from what the router collected: raw timestamps in, metrics and SLO verdict out.
@@ -77,7 +76,7 @@ def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list
     return rec
 
 
-def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict], slo: dict) -> dict:
+def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict], slo: SLO) -> dict:
     """The metrics of one (variant, rate), recomputed from raw fields (arrival, token_times, ok).
 
     Warm-up records (`warmup: true`) are ignored. Duration runs from the first arrival to the last token.
@@ -107,7 +106,7 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
         return x / duration if duration else None
 
     parts = [ttft_parts(r["arrival"], r["token_times"][0], r.get("phases")) for r in good]
-    gaps = attribute_gaps(good, steps, slo["itl_ms"])
+    gaps = attribute_gaps(good, steps, slo.itl_ms)
     xfer_ms = [(x["end"] - x["start"]) for x in transfers]
     cached = sum(int(r.get("cached_tokens") or 0) for r in good)
     return {
@@ -139,7 +138,7 @@ def _group(records: list[dict]) -> dict[tuple[str, float], list[dict]]:
     return g
 
 
-def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict], slo: dict,
+def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict], slo: SLO,
                   grid: Optional[dict[str, list[float]]] = None, partial: bool = False,
                   reason: Optional[str] = None) -> dict:
     """summary.json: per variant and rate the metrics; per variant goodput with its rate grid.
@@ -170,9 +169,9 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
         sat = per_rate.get("inf")
         variants[v] = {
             "rates": per_rate,
-            "goodput": goodput(points, slo["attainment"]),
+            "goodput": goodput(points, slo.attainment),
             "saturation": None if sat is None else {k: sat[k] for k in ("output_tok_s", "total_tok_s",
                                                                           "request_throughput", "duration_s")},
         }
-    return {"slo": dict(slo), "percentiles": "numpy linear interpolation", "latency_unit": "ms",
+    return {"slo": slo.to_raw(), "percentiles": "numpy linear interpolation", "latency_unit": "ms",
             "partial": bool(partial), "reason": reason, "variants": variants}

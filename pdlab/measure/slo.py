@@ -11,8 +11,10 @@ from typing import Iterable, Optional
 
 import numpy as np
 
-ITL_STATS = ("mean", "p50", "p90", "p99", "max")
-MISS_KINDS = ("ttft_only", "itl_only", "both", "failed")
+from pdlab.constants import MISS_KINDS, STATS
+from pdlab.recipe.slo import SLO
+
+__all__ = ["MISS_KINDS", "SLO", "itl_value", "request_slo", "miss_kind", "goodput"]
 
 
 def itl_value(gaps: list[float], stat: str) -> Optional[float]:
@@ -28,15 +30,15 @@ def itl_value(gaps: list[float], stat: str) -> Optional[float]:
         return float(np.max(gaps))
     if stat in ("p50", "p90", "p99"):
         return float(np.percentile(gaps, float(stat[1:])))
-    raise ValueError(f"unknown itl_stat {stat!r}; expected one of {', '.join(ITL_STATS)}")
+    raise ValueError(f"unknown itl_stat {stat!r}; expected one of {', '.join(STATS)}")
 
 
-def request_slo(ok: bool, ttft: Optional[float], gaps: list[float], slo: dict) -> dict:
+def request_slo(ok: bool, ttft: Optional[float], gaps: list[float], slo: SLO) -> dict:
     """SLO verdict of one request. A failed request meets nothing. A request with one output token has
     no gaps: its ITL is met by definition (there was nothing to wait for after the first token)."""
-    value = itl_value(gaps, slo["itl_stat"])
-    ttft_ok = bool(ok and ttft is not None and ttft * 1000.0 <= slo["ttft_ms"])
-    itl_ok = bool(ok and (value is None or value * 1000.0 <= slo["itl_ms"]))
+    value = itl_value(gaps, slo.itl_stat)
+    ttft_ok = bool(ok and ttft is not None and ttft * 1000.0 <= slo.ttft_ms)
+    itl_ok = bool(ok and (value is None or value * 1000.0 <= slo.itl_ms))
     return {"slo_ttft_ok": ttft_ok, "slo_itl_ok": itl_ok, "slo_ok": ttft_ok and itl_ok, "slo_itl_value": value}
 
 

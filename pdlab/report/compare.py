@@ -15,14 +15,15 @@ from typing import Any, Optional
 
 from pdlab.measure.metrics import as_rate, summarize_run
 from pdlab.measure.records import Run
+from pdlab.recipe.slo import SLO
 from pdlab.workload import rate_tag
 
 
 def describe_deployment(dep: Optional[dict]) -> str:
-    """`unified 2x[cpu:0|cpu:1]` or `1P[cpu:0] + 1D[cpu:1] shm push`."""
+    """`unified 2x[cpu:0|cpu:1]` or `1P[cpu:0] + 1D[cpu:1] shm push`, from recipe.yaml's deployment."""
     if not dep:
         return "?"
-    if "unified" in dep:
+    if dep.get("kind") == "unified":
         u = dep["unified"]
         return f"unified {u.get('replicas', 1)}x[{'|'.join(map(str, u.get('devices', [])))}]"
     p, d = dep.get("prefill", {}), dep.get("decode", {})
@@ -38,7 +39,7 @@ def _summary(run: Run) -> dict:
     slo = s.get("slo") or run.recipe.get("slo")  # summary missing (run cut short): recompute from records
     if not slo or not run.requests:
         return {"variants": {}, "partial": True}
-    return summarize_run(run.requests, run.steps, run.transfers, slo, partial=True,
+    return summarize_run(run.requests, run.steps, run.transfers, SLO.from_raw(slo, "slo"), partial=True,
                          reason=s.get("reason", "summary recomputed from records"))
 
 
@@ -47,7 +48,7 @@ def rows_of(runs: list[Run]) -> list[dict]:
     for run in runs:
         s = _summary(run)
         for v, vs in s["variants"].items():
-            dep = ((run.recipe.get("variants") or {}).get(v) or {}).get("deployment") or run.recipe.get("deployment")
+            dep = ((run.recipe.get("variants") or {}).get(v) or {}).get("deployment")
             label = v if len(runs) == 1 else f"{run.name}/{v}"
             rates = {tag: x for tag, x in vs["rates"].items()}
             finite = [x for t, x in rates.items() if t != "inf"]
@@ -59,7 +60,7 @@ def rows_of(runs: list[Run]) -> list[dict]:
                 sat_note = rate_tag(as_rate(sat["rate"]))
             rows.append({
                 "label": label, "run": run.path, "variant": v, "config": describe_deployment(dep),
-                "kind": "unified" if dep and "unified" in dep else "disagg" if dep else "?",
+                "kind": (dep or {}).get("kind", "?"),  # recipe.yaml records it
                 "partial": bool(s.get("partial")), "slo": s.get("slo"),
                 "met": {t: [x["slo_met"], x["sent"]] for t, x in rates.items()},
                 "goodput": vs["goodput"]["goodput"], "goodput_lower_bound": vs["goodput"]["lower_bound"],

@@ -22,6 +22,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from pdlab.recipe.slo import SLO
+
 
 @dataclass
 class _Worker:
@@ -56,9 +58,9 @@ def _rate(rate: float) -> str:
 
 
 class LiveView:
-    def __init__(self, title: str = "pdlab run", slo: Optional[dict] = None, console: Any = None,
+    def __init__(self, title: str = "pdlab run", slo: Optional[SLO] = None, console: Any = None,
                  live: Optional[bool] = None, line_interval_s: float = 5.0, out: Any = None):
-        self.title, self.slo = title, slo or {}
+        self.title, self.slo = title, slo
         self.out = out or sys.stdout
         self.live = self.out.isatty() if live is None else live
         self.console = console
@@ -149,8 +151,7 @@ class LiveView:
                 kv = f"{100 * w.kv_used / w.kv_total:.0f}%" if w.kv_used is not None and w.kv_total else "—"
                 wt.add_row(w.name, w.role, w.devices, str(w.running), str(w.waiting), kv, f"{w.steps_per_s:.1f}")
             slo = self.slo
-            head = (f"SLO: TTFT ≤ {slo.get('ttft_ms', '?')} ms, ITL {slo.get('itl_stat', '?')} ≤ {slo.get('itl_ms', '?')} ms"
-                    if slo else "")
+            head = (f"SLO: TTFT ≤ {slo.ttft_ms:g} ms, ITL {slo.itl_stat} ≤ {slo.itl_ms:g} ms" if slo else "")
             pt = Table(title=f"{self.title}   {head}", title_justify="left")
             for c in ("variant", "rate", "progress", "TTFT p50/p99 ms", "ITL p50/p99 ms", "SLO met"):
                 pt.add_column(c, justify="left" if c == "variant" else "right")

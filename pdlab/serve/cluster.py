@@ -1,12 +1,13 @@
-"""The launcher: checks a deployment, spawns its workers, and drives them through the router.
+"""The launcher: checks the machine for a deployment, spawns its workers, and drives them through the router.
 
-    with Cluster({"preset": "tiny-llama"}, {"kv_blocks": 64},
-                 {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "push"}) as c:
+    v = load_recipe("recipes/long-input.yaml").resolved("disagg-push")       # typed, already checked
+    with Cluster(v.model, v.engine, v.deployment, seed=v.seed) as c:
         c.start()
         c.submit("r1", [1, 2, 3], {"max_tokens": 8})
         events = c.poll(1.0)      # TokenEvent, RequestDone, StepEvent, TransferEvent, WorkerFailed
 
-A bad deployment raises ClusterError before any process starts (see pdlab.serve.topology). `stop()`
+A deployment this machine cannot run (a core or GPU it does not have) raises ClusterError before any
+process starts (see pdlab.serve.topology); its shape was checked by the recipe layer. `stop()`
 is idempotent and also runs on `__exit__`, at interpreter exit, and when start() fails: workers are
 told to stop, then terminated, then killed; sockets and the private socket directory are removed and
 the run's shared-memory segments swept, even those of a worker that died by SIGKILL.
@@ -21,14 +22,18 @@ import shutil
 import tempfile
 import time
 import weakref
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Optional
 
+from pdlab.constants import HEARTBEAT_TIMEOUT_S, READY_TIMEOUT_S, STOP_TIMEOUT_S
+from pdlab.engine.config import EngineConfig
 from pdlab.kv import shm
+from pdlab.recipe.deployment import Deployment
+from pdlab.recipe.model import ModelSpec
 from pdlab.serve import messages as m
 from pdlab.serve.router import (RequestDone, Router, StepEvent, TokenEvent, TransferEvent, WorkerFailed,
                                 WorkerState)
-from pdlab.serve.topology import ClusterError, plan
+from pdlab.serve.topology import ClusterError, place
 from pdlab.serve.worker import WorkerSpec, run_worker
 
 __all__ = ["Cluster", "ClusterError", "WorkerInfo", "TokenEvent", "RequestDone", "StepEvent", "TransferEvent",
@@ -46,12 +51,12 @@ class WorkerInfo:
 
 
 class Cluster:
-    def __init__(self, model: dict, engine: dict, deployment: dict, *, seed: int = 0, run_tmp: Optional[str] = None,
-                 heartbeat_timeout_s: float = 5.0, step_timeout_s: float = 300.0):
-        self.plan = plan(deployment)  # raises ClusterError: nothing has started yet
-        self.model, self.engine, self.seed = dict(model), dict(engine), seed
+    def __init__(self, model: ModelSpec, engine: EngineConfig, deployment: Deployment, *, seed: int = 0,
+                 run_tmp: Optional[str] = None, heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S):
+        self.placements = place(deployment)  # raises ClusterError: nothing has started yet
+        self.deployment, self.model, self.engine, self.seed = deployment, model, engine, seed
         self.run_tmp = run_tmp
-        self.heartbeat_timeout_s, self.step_timeout_s = heartbeat_timeout_s, step_timeout_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.run_prefix = f"{shm.PREFIX}{secrets.token_hex(4)}-"
         self.router: Optional[Router] = None
         self._dir: Optional[str] = None
@@ -63,11 +68,11 @@ class Cluster:
     @property
     def workers(self) -> list[WorkerInfo]:
         procs = self.router.workers if self.router else {}
-        return [WorkerInfo(p.name, p.role, list(p.devices), getattr(procs.get(p.name), "proc", None) and
-                           procs[p.name].proc.pid) for p in self.plan.workers]
+        return [WorkerInfo(w.name, w.role, list(w.devices), getattr(procs.get(w.name), "proc", None) and
+                           procs[w.name].proc.pid) for w in self.deployment.workers]
 
     # ---- lifecycle ----
-    def start(self, timeout: float = 120) -> None:
+    def start(self, timeout: float = READY_TIMEOUT_S) -> None:
         import zmq
 
         if self.router is not None:
@@ -75,23 +80,24 @@ class Cluster:
         _live.add(self)
         try:
             self._dir = tempfile.mkdtemp(prefix="pdlab-", dir=self.run_tmp)  # mode 0700: only we can connect
-            endpoint = self.plan.control or f"ipc://{self._dir}/router"
+            d = self.deployment
+            endpoint = d.control or f"ipc://{self._dir}/router"
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.ROUTER)
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.bind(endpoint)
-            states = [WorkerState(p.name, p.role, list(p.devices)) for p in self.plan.workers]
-            d = self.plan
+            states = [WorkerState(p.worker.name, p.worker.role, list(p.worker.devices)) for p in self.placements]
             self.router = Router(self._sock, states, mode=d.mode, first_token=d.first_token,
                                  transfer_timeout_s=d.transfer_timeout_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                                 step_timeout_s=self.step_timeout_s)
+                                 step_timeout_s=d.step_timeout_s)
             ctx = mp.get_context("spawn")
-            for p, w in zip(self.plan.workers, states):
-                spec = WorkerSpec(p.name, p.role, list(p.devices), endpoint, self.model, self.engine, self.seed,
-                                  d.transport if d.disaggregated else None, d.mode, self.run_prefix, d.first_token,
-                                  list(p.visible_gpus), d.transfer_timeout_s)
-                w.proc = ctx.Process(target=run_worker, args=(asdict(spec),), name=f"pdlab-{p.name}", daemon=True)
+            for p, w in zip(self.placements, states):
+                spec = WorkerSpec(p.worker.name, p.worker.role, p.worker.devices, endpoint, self.model, self.engine,
+                                  self.seed, d.transport if d.disaggregated else None, d.mode, self.run_prefix,
+                                  d.first_token, p.visible_gpus, d.transfer_timeout_s)
+                w.proc = ctx.Process(target=run_worker, args=(spec.to_raw(),), name=f"pdlab-{p.worker.name}",
+                                     daemon=True)
                 w.proc.start()
                 w.last_hb = time.monotonic() + 60  # grace for imports before the first heartbeat
             self._wait_ready(timeout)
@@ -112,7 +118,7 @@ class Cluster:
                 raise ClusterError(f"workers not ready within {timeout:g}s: {', '.join(late)}")
         r.events = [e for e in r.events if not isinstance(e, StepEvent)]
 
-    def stop(self, timeout: float = 10.0) -> None:
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop workers (Stop, then SIGTERM, then SIGKILL), close sockets, remove the run's files."""
         if self._stopped:
             return

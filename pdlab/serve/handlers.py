@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Optional
 
+from pdlab.constants import cdiv
 from pdlab.engine import RequestError, SamplingParams
 from pdlab.kv.push import PushCopier, PushJob
 from pdlab.kv.transfer import TransferRecord, copy_blocks
@@ -136,7 +137,7 @@ class RoleHandler:
                 tgt, seq = self.push.get(rid), self.eng.sequence(rid)
                 if tgt is None or end < seq.prompt_len:
                     continue  # not pushed, or its prompt is not complete after this step
-                n, skip = -(-seq.prompt_len // nb), tgt["skip"]
+                n, skip = cdiv(seq.prompt_len, nb), tgt["skip"]
                 jobs.append(PushJob(rid, seq.block_table[skip:n], self.transport.open(tgt["pool"]),
                                     tgt["blocks"][skip:n]))
             self.copier.begin(jobs)

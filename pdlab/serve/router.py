@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pdlab.constants import cdiv
 from pdlab.serve import messages as m
 
 
@@ -89,8 +90,8 @@ class _Req:
 
 
 class Router:
-    def __init__(self, sock: Any, workers: list[WorkerState], *, mode: str = "pull", first_token: str = "decode",
-                 transfer_timeout_s: float = 30.0, heartbeat_timeout_s: float = 5.0, step_timeout_s: float = 300.0):
+    def __init__(self, sock: Any, workers: list[WorkerState], *, mode: str, first_token: str,
+                 transfer_timeout_s: float, heartbeat_timeout_s: float, step_timeout_s: float):
         self.sock, self.mode, self.first_token = sock, mode, first_token
         self.workers = {w.name: w for w in workers}
         self.transfer_timeout_s = transfer_timeout_s
@@ -151,7 +152,7 @@ class Router:
 
     @staticmethod
     def _blocks(req: _Req, w: WorkerState) -> int:
-        return -(-len(req.prompt_ids) // max(1, w.block_size))
+        return cdiv(len(req.prompt_ids), max(1, w.block_size))
 
     # ---- worker messages ----
     def dispatch(self, frame: bytes) -> None:

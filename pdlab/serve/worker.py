@@ -13,33 +13,51 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Optional
 
+from pdlab.constants import HEARTBEAT_S
+from pdlab.engine.config import EngineConfig
+from pdlab.recipe.model import ModelSpec
 from pdlab.serve import messages as m
 
 
-@dataclass
+@dataclass(frozen=True)
 class WorkerSpec:
+    """Everything a worker process needs, from the variant's typed recipe and the launcher."""
+
     name: str  # "prefill0", "decode1", "unified0"
     role: str
-    devices: list[str]  # this worker's devices, e.g. ["cpu:0"] or ["cuda:2"]
+    devices: tuple[str, ...]  # this worker's devices, e.g. ("cpu:0",) or ("cuda:2",)
     endpoint: str  # the router's socket
-    model: dict
-    engine: dict
-    seed: int = 0
-    transport: Optional[str] = None  # disaggregated roles only
-    mode: str = "pull"
-    run_prefix: str = "pdlab-run-"
-    first_token: str = "decode"
-    visible_gpus: list[int] = field(default_factory=list)  # CUDA_VISIBLE_DEVICES, own GPU first
-    transfer_timeout_s: float = 30.0
-    heartbeat_s: float = 0.5
+    model: ModelSpec
+    engine: EngineConfig
+    seed: int
+    transport: Optional[str]  # disaggregated roles only
+    mode: str
+    run_prefix: str
+    first_token: str
+    visible_gpus: tuple[int, ...]  # CUDA_VISIBLE_DEVICES, own GPU first
+    transfer_timeout_s: float
+    heartbeat_s: float = HEARTBEAT_S
+
+    def to_raw(self) -> dict:
+        """Plain data for the spawn arguments: nothing pickled needs pdlab classes."""
+        raw = {f.name: getattr(self, f.name) for f in fields(self)}
+        raw.update(model=self.model.to_raw(), engine=self.engine.to_raw(), devices=list(self.devices),
+                   visible_gpus=list(self.visible_gpus))
+        return raw
+
+    @classmethod
+    def from_raw(cls, raw: dict) -> "WorkerSpec":
+        return cls(**{**raw, "model": ModelSpec.from_raw(raw["model"], "model"),
+                      "engine": EngineConfig.from_raw(raw["engine"], "engine"), "devices": tuple(raw["devices"]),
+                      "visible_gpus": tuple(raw["visible_gpus"])})
 
 
 def run_worker(spec_dict: dict) -> None:
-    """Process entry point (spawn target): plain dict in, so nothing pickled needs pdlab classes."""
-    spec = WorkerSpec(**spec_dict)
+    """Process entry point (spawn target): plain dict in."""
+    spec = WorkerSpec.from_raw(spec_dict)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's business: it stops us
     signal.signal(signal.SIGTERM, _exit_on_signal)  # unwinds: the pool segment is unlinked on the way out
     _die_with_parent()
@@ -72,7 +90,7 @@ class Worker:
         import torch
         import zmq
 
-        from pdlab.engine import Engine, EngineConfig, load_model
+        from pdlab.engine import Engine, load_model
 
         self.spec, self.name, self.role = spec, spec.name, spec.role
         self.parent = os.getppid()
@@ -96,7 +114,7 @@ class Worker:
 
                 self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus)
                 kv_alloc = self.transport.kv_alloc
-            self.engine = Engine(self.model, EngineConfig(**spec.engine), role=self.role, kv_alloc=kv_alloc)
+            self.engine = Engine(self.model, spec.engine, role=self.role, kv_alloc=kv_alloc)
         except Exception as e:  # noqa: BLE001 - reported to the router, then this process ends
             self._send(m.Fatal(self.name, f"{type(e).__name__}: {e}"))
             raise

@@ -1,0 +1,38 @@
+"""Every list of names and every default that more than one module needs, in one place.
+
+Recipe keys keep their defaults on their dataclass fields (pdlab.recipe); the defaults here are the ones
+those fields and the process plumbing share. Nothing here imports anything, so any module may use it.
+"""
+
+from __future__ import annotations
+
+# ---- names ----
+ROLES = ("unified", "prefill", "decode")
+DEPLOYMENT_KINDS = ("unified", "disagg")
+DEVICE_KINDS = ("cpu", "cuda")
+TRANSPORTS = ("shm", "cuda-ipc", "host", "nixl")
+TRANSPORTS_AVAILABLE = ("shm", "cuda-ipc", "host")  # nixl: not built yet
+GPU_TRANSPORTS = ("cuda-ipc", "host")
+MODES = ("pull", "push")
+FIRST_TOKEN_FROM = ("decode", "prefill")
+STATS = ("mean", "p50", "p90", "p99", "max")  # latency statistics, and the per-request ITL statistic
+MISS_KINDS = ("ttft_only", "itl_only", "both", "failed")
+ARRIVAL_KINDS = ("poisson", "gamma", "constant", "burst")
+LENGTH_KINDS = ("fixed", "uniform", "dataset")
+# dtype aliases a recipe or the CLI may use -> the torch dtype name ("auto": the checkpoint's own)
+DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+          "float16": "float16", "fp16": "float16", "auto": "auto"}
+
+# ---- timeouts (seconds) ----
+TRANSFER_TIMEOUT_S = 30.0  # a KV hand-over (waiting for room included) may take this long
+STEP_TIMEOUT_S = 300.0  # one engine step may take this long before its worker is declared hung
+HEARTBEAT_S = 0.5  # a worker's heartbeat period
+HEARTBEAT_TIMEOUT_S = 5.0  # no heartbeat for this long: the worker is dead or stopped
+READY_TIMEOUT_S = 120.0  # workers load their model within this
+STOP_TIMEOUT_S = 10.0  # stop(): Stop message, then SIGTERM, then SIGKILL within this
+STALL_TIMEOUT_S = 300.0  # a run with no event at all for this long is stuck
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: blocks needed for `a` tokens at `b` tokens per block."""
+    return -(-a // b)

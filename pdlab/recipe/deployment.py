@@ -1,0 +1,178 @@
+"""The recipe's `deployment`: which workers a variant runs, on which devices, joined by which transport.
+
+    {unified: {replicas: N, devices: [...]}, share_devices: false}
+    {prefill: {replicas: N, devices: [...]}, decode: {replicas: M, devices: [...]},
+     transport: shm|cuda-ipc|host|nixl, mode: pull|push, first_token: decode|prefill,
+     share_devices: false, transfer_timeout_s: 30}
+    both shapes also take step_timeout_s and control (a tcp:// address; ipc:// in a private directory otherwise)
+
+A group's devices are one spec per replica (`[cuda:0-3, cuda:4-7]` with replicas 2), or a list split
+evenly among the replicas (`[cpu:0, cpu:1]` with replicas 2: one core each), or, with `share_devices:
+true`, fewer devices than replicas taken round-robin (`[cpu:0]` with replicas 2: both on core 0). Workers
+may share a device only with `share_devices: true`. The transport defaults to shm on cpu, cuda-ipc on cuda.
+This is the only place a deployment's shape is checked; `pdlab.serve.topology` checks the machine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pdlab.constants import (DEPLOYMENT_KINDS, FIRST_TOKEN_FROM, GPU_TRANSPORTS, MODES, STEP_TIMEOUT_S,
+                             TRANSFER_TIMEOUT_S, TRANSPORTS)
+from pdlab.devices import format_devices, overlaps, parse_devices
+from pdlab.fields import (RecipeError, Section, as_mapping, key_of, one_of, optional, section, spec, to_bool,
+                          to_float, to_int)
+
+FORM = "{unified: {devices: [cpu:0]}} or {prefill: {devices: [cpu:0]}, decode: {devices: [cpu:1]}}"
+_COMMON = ("share_devices", "control", "step_timeout_s")
+KEYS = {"unified": ("kind", "unified", *_COMMON),
+        "disagg": ("kind", "prefill", "decode", "transport", "mode", "first_token", "transfer_timeout_s", *_COMMON)}
+
+
+def _devices(v: Any) -> tuple[str, ...]:
+    specs = [v] if isinstance(v, str) else v
+    if not isinstance(specs, list) or not specs:
+        raise ValueError
+    return tuple(str(s) if isinstance(s, (str, int)) else s for s in specs)
+
+
+def _address(v: Any) -> str:
+    if not isinstance(v, str) or not v.startswith(("tcp://", "ipc://")):
+        raise ValueError
+    return v
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerGroup(Section):
+    """The workers of one role: `replicas` of them, with their devices (one spec per replica once resolved)."""
+
+    replicas: int = spec(1, "an integer >= 1", to_int(1))
+    devices: tuple[str, ...] = spec(expected="a list of device specs such as [cpu:0] or [cuda:0-3]", conv=_devices)
+
+    def split(self, share: bool, where: str) -> list[list[str]]:
+        """Devices per replica, as device names (["cpu:0"], ...)."""
+        n = self.replicas
+        try:
+            if len(self.devices) == n:
+                per = [parse_devices(s) for s in self.devices]
+            else:
+                flat = parse_devices(list(self.devices))
+                if len(flat) % n == 0:
+                    k = len(flat) // n
+                    per = [flat[i * k:(i + 1) * k] for i in range(n)]
+                elif share and n % len(flat) == 0:
+                    per = [[flat[i % len(flat)]] for i in range(n)]
+                else:
+                    raise RecipeError(f"{where}.devices: {len(flat)} devices cannot be split evenly among {n} "
+                                      f"replicas; give one spec per replica, a multiple of {n} devices, or "
+                                      "share_devices: true to place replicas round-robin")
+        except RecipeError:
+            raise
+        except ValueError as e:
+            raise RecipeError(f"{where}.devices: {e}") from None
+        return [[str(d) for d in p] for p in per]
+
+
+@dataclass(frozen=True)
+class PlannedWorker:
+    name: str  # "unified0", "prefill1", "decode0"
+    role: str
+    devices: tuple[str, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.devices[0].split(":")[0]
+
+
+@dataclass(frozen=True)
+class Deployment(Section):
+    kind: str = spec("unified", f"one of {', '.join(DEPLOYMENT_KINDS)} (it follows from the shape)",
+                     one_of(DEPLOYMENT_KINDS))
+    unified: Optional[WorkerGroup] = spec(None, parse=section(WorkerGroup))
+    prefill: Optional[WorkerGroup] = spec(None, parse=section(WorkerGroup))
+    decode: Optional[WorkerGroup] = spec(None, parse=section(WorkerGroup))
+    transport: Optional[str] = spec(None, f"one of {', '.join(TRANSPORTS)}", optional(one_of(TRANSPORTS)))
+    mode: str = spec("pull", "pull or push", one_of(MODES))
+    first_token: str = spec("decode", "decode or prefill (which worker delivers the first token)",
+                            one_of(FIRST_TOKEN_FROM))
+    share_devices: bool = spec(False, "true or false", to_bool)
+    transfer_timeout_s: float = spec(TRANSFER_TIMEOUT_S, "a number > 0 (seconds)", to_float(0.0))
+    step_timeout_s: float = spec(STEP_TIMEOUT_S, "a number > 0 (seconds one engine step may take before its "
+                                                 "worker is declared hung)", to_float(0.0))
+    control: Optional[str] = spec(None, "a tcp:// or ipc:// address (default: ipc:// in a private directory)",
+                                  optional(_address))
+    workers: tuple[PlannedWorker, ...] = spec((), derived=True)
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.kind == "disagg"
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        return ("prefill", "decode") if self.disaggregated else ("unified",)
+
+    @property
+    def device_kind(self) -> str:
+        return self.workers[0].kind
+
+    @classmethod
+    def from_raw(cls, raw: Any, where: str) -> "Deployment":
+        if not isinstance(raw, dict) or not raw:
+            raise RecipeError(f"{where}: expected {FORM}, got {raw!r}")
+        if "unified" in raw:
+            if "prefill" in raw or "decode" in raw:
+                raise RecipeError(f"{where}: give either unified, or prefill and decode, not both")
+            kind = "unified"
+        elif "prefill" in raw or "decode" in raw:
+            for role in ("prefill", "decode"):
+                if role not in raw:
+                    raise RecipeError(f"{where}.{role}: missing; a disaggregated deployment needs at least one "
+                                      f"prefill and one decode worker, e.g. {role}: {{devices: [cpu:1]}}")
+            kind = "disagg"
+        else:
+            raise RecipeError(f"{where}: expected a unified or a prefill/decode deployment, got keys {list(raw)}")
+        values = cls.read(as_mapping(raw, where, KEYS[kind]), where, list(KEYS[kind]))
+        if values.get("kind", kind) != kind:
+            raise RecipeError(f"{where}.kind: {values['kind']} does not match the shape given ({kind})")
+        values["kind"] = kind
+        for role in ("unified",) if kind == "unified" else ("prefill", "decode"):
+            if values[role] is None:
+                raise RecipeError(f"{where}.{role}: expected {{replicas: N, devices: [...]}}")
+        dep = cls(**values)
+        return dep._resolved(where)
+
+    def _resolved(self, where: str) -> "Deployment":
+        """Split devices into workers and check the shape; the groups come back one spec per replica."""
+        workers, groups = [], {}
+        for role in self.roles:
+            per = getattr(self, role).split(self.share_devices, key_of(where, role))
+            groups[role] = WorkerGroup(replicas=len(per), devices=tuple(format_devices(parse_devices(d)) for d in per))
+            workers += [PlannedWorker(f"{role}{i}", role, tuple(d)) for i, d in enumerate(per)]
+        kinds = sorted({w.kind for w in workers})
+        if len(kinds) > 1:
+            raise RecipeError(f"{where}: all workers of a variant must use one kind of device, got {kinds}")
+        if not self.share_devices:
+            for i, a in enumerate(workers):
+                for b in workers[i + 1:]:
+                    common = overlaps(a.devices, b.devices)
+                    if common:
+                        raise RecipeError(f"{where}: workers {a.name} and {b.name} overlap on "
+                                          f"{format_devices(common)}; use separate devices or set share_devices: true")
+        transport = self.transport
+        if self.disaggregated:
+            kind = kinds[0]
+            transport = transport or ("shm" if kind == "cpu" else "cuda-ipc")
+            if kind == "cpu" and transport in GPU_TRANSPORTS:
+                raise RecipeError(f"{where}.transport: {transport} needs cuda devices; use shm on cpu")
+            if kind == "cuda" and transport == "shm":
+                raise RecipeError(f"{where}.transport: shm moves CPU pools; GPU workers need cuda-ipc or host")
+            if transport == "nixl":
+                raise RecipeError(f"{where}.transport: nixl is not available yet: pdlab has no NIXL backend "
+                                  "(one node: use shm on cpu, cuda-ipc or host on cuda)")
+        return self.replace(transport=transport, workers=tuple(workers), **groups)
+
+    def to_raw(self) -> dict:
+        """The shape's own keys only (recipe.yaml; loading it back gives this deployment)."""
+        raw = super().to_raw()
+        return {k: raw[k] for k in KEYS[self.kind] if k in raw}

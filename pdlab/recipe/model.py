@@ -1,0 +1,53 @@
+"""The recipe's `model` section: which weights every worker of a variant loads."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from pdlab.constants import DTYPES
+from pdlab.fields import RecipeError, Section, did_you_mean, key_of, optional, spec, to_int, to_str
+
+FORM = "{preset: NAME} or {path: DIR, dtype: bfloat16}"
+DEFAULT_PRESET = "cpu-demo"
+
+
+def _dtype(v: object) -> str:
+    key = DTYPES.get(str(v).lower()) if isinstance(v, str) else None
+    if key is None:
+        raise ValueError
+    return key
+
+
+@dataclass(frozen=True)
+class ModelSpec(Section):
+    preset: Optional[str] = spec(None, "a preset name such as cpu-demo", optional(to_str))
+    path: Optional[str] = spec(None, "a local model directory or an id in the local HF cache", optional(to_str))
+    # None: the variant's device decides (float32 on cpu, bfloat16 on cuda); see Variant
+    dtype: Optional[str] = spec(None, "one of float32, bfloat16, float16, auto", optional(_dtype))
+    device: Optional[str] = spec(None, "a device string; workers use their deployment devices", optional(to_str))
+    seed: int = spec(0, "an integer >= 0 (weights seed of a preset)", to_int(0))
+
+    @classmethod
+    def from_raw(cls, raw: object, where: str) -> "ModelSpec":
+        return super().from_raw({"preset": DEFAULT_PRESET} if raw is None else raw, where)
+
+    @property
+    def source(self) -> str:
+        """The preset name or the path."""
+        return self.preset if self.preset is not None else str(self.path)
+
+    def check(self, where: str) -> None:
+        if (self.preset is None) == (self.path is None):
+            raise RecipeError(f"{where}: give exactly one of preset or path; expected {FORM}")
+        if self.preset is not None:
+            try:  # the engine owns the preset list; its import pulls in torch, so only here
+                from pdlab.engine.model import PRESETS
+            except ImportError:  # engine not importable (partial checkout): leave the name to the loader
+                return
+            if self.preset not in PRESETS:
+                raise RecipeError(f"{key_of(where, 'preset')}: unknown preset {self.preset!r}"
+                                  + (did_you_mean(self.preset, PRESETS) or f"; known: {', '.join(sorted(PRESETS))}"))
+        elif self.path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(self.path)):
+            raise RecipeError(f"{key_of(where, 'path')}: {self.path} is not a directory")

@@ -1,0 +1,117 @@
+"""The recipe's `workload` section: how many requests, when they arrive, how long they are."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from pdlab.constants import ARRIVAL_KINDS, LENGTH_KINDS
+from pdlab.fields import (RecipeError, Section, as_mapping, key_of, optional, section, spec, to_float, to_int,
+                          to_str)
+
+LENGTH_FORMS = "{kind: fixed, value: N}, {kind: uniform, min: A, max: B} or {kind: dataset}"
+_LENGTH_KEYS = {"fixed": ("value",), "uniform": ("min", "max"), "dataset": ()}
+# arrival kind -> its own keys: (field, expected)
+_ARRIVAL_KEYS = {"gamma": {"burstiness": "a number > 0 (1 = poisson, < 1 burstier)"},
+                 "burst": {"size": "an integer >= 1 (requests per burst)"}}
+
+
+@dataclass(frozen=True)
+class LengthSpec(Section):
+    """A token count per request: fixed, uniform in [min, max], or taken from the dataset."""
+
+    kind: str = spec("fixed", LENGTH_FORMS)
+    value: Optional[int] = spec(None, "an integer >= 1 (tokens)", to_int(1))
+    min: Optional[int] = spec(None, "an integer >= 1 (tokens)", to_int(1))
+    max: Optional[int] = spec(None, "an integer >= 1 (tokens)", to_int(1))
+
+    @classmethod
+    def from_raw(cls, raw: Any, where: str) -> "LengthSpec":
+        if not isinstance(raw, dict) or raw.get("kind") not in LENGTH_KINDS:
+            raise RecipeError(f"{where}: expected {LENGTH_FORMS}, got {raw!r}")
+        need = _LENGTH_KEYS[raw["kind"]]
+        for k in raw:
+            if k != "kind" and k not in need:
+                raise RecipeError(f"{where}.{k}: not used by kind {raw['kind']}; expected {LENGTH_FORMS}")
+        for k in need:
+            if k not in raw:
+                raise RecipeError(f"{where}.{k}: missing for kind {raw['kind']}; expected {LENGTH_FORMS}")
+        return super().from_raw(raw, where)
+
+    def check(self, where: str) -> None:
+        if self.kind == "uniform" and self.min > self.max:
+            raise RecipeError(f"{where}: min ({self.min}) must be <= max ({self.max})")
+
+    def to_raw(self) -> dict:
+        return {"kind": self.kind, **{k: getattr(self, k) for k in _LENGTH_KEYS[self.kind]}}
+
+    @property
+    def shortest(self) -> Optional[int]:
+        return {"fixed": self.value, "uniform": self.min}.get(self.kind)
+
+
+@dataclass(frozen=True)
+class ArrivalSpec(Section):
+    """When requests arrive: the mean gap is 1/rate for every kind."""
+
+    kind: str = spec("poisson", f"{{kind: {'|'.join(ARRIVAL_KINDS)}}}")
+    burstiness: float = spec(1.0, _ARRIVAL_KEYS["gamma"]["burstiness"], to_float(0.0))  # gamma shape
+    size: int = spec(8, _ARRIVAL_KEYS["burst"]["size"], to_int(1))  # burst: requests per burst
+
+    @classmethod
+    def from_raw(cls, raw: Any, where: str) -> "ArrivalSpec":
+        raw = {"kind": "poisson"} if raw is None else raw
+        if not isinstance(raw, dict) or raw.get("kind") not in ARRIVAL_KINDS:
+            raise RecipeError(f"{where}: expected {{kind: {'|'.join(ARRIVAL_KINDS)}}}, got {raw!r}")
+        own = _ARRIVAL_KEYS.get(raw["kind"], {})
+        for k in raw:
+            if k != "kind" and k not in own:
+                raise RecipeError(f"{where}.{k}: not used by arrival kind {raw['kind']}")
+        return super().from_raw(raw, where)
+
+    def to_raw(self) -> dict:
+        return {"kind": self.kind, **{k: getattr(self, k) for k in _ARRIVAL_KEYS.get(self.kind, {})}}
+
+
+@dataclass(frozen=True)
+class SharedPrefix(Section):
+    groups: int = spec(expected="an integer >= 1 (distinct prefixes)", conv=to_int(1))
+    len: int = spec(expected="an integer >= 1 (prefix tokens)", conv=to_int(1))
+    share: float = spec(1.0, "a fraction in [0, 1] of requests that carry a prefix", to_float(0.0, 1.0, lo_open=False))
+
+
+@dataclass(frozen=True)
+class WorkloadSpec(Section):
+    requests: int = spec(60, "an integer >= 1 (requests per rate)", to_int(1))
+    arrival: ArrivalSpec = spec(ArrivalSpec(), parse=section(ArrivalSpec))
+    input_len: LengthSpec = spec(LengthSpec("uniform", min=1500, max=2000), parse=section(LengthSpec))
+    output_len: LengthSpec = spec(LengthSpec("fixed", value=200), parse=section(LengthSpec))
+    shared_prefix: Optional[SharedPrefix] = spec(None, parse=section(SharedPrefix, nullable=True))
+    dataset: Optional[str] = spec(None, "null or a JSONL path (lines with prompt_ids or prompt, optional output_len)",
+                                  optional(to_str))
+    token_low: int = spec(10, "an integer >= 0 (lowest random token id; skips special ids)", to_int(0))
+    token_high: Optional[int] = spec(None, "null (the model's vocab size) or an integer", optional(to_int(1)))
+
+    @classmethod
+    def from_raw(cls, raw: Any, where: str) -> "WorkloadSpec":
+        raw = dict(as_mapping(raw, where, cls.keys()))
+        for k in ("input_len", "output_len", "arrival"):  # null: the default
+            if k in raw and raw[k] is None:
+                del raw[k]
+        return super().from_raw(raw, where)
+
+    def check(self, where: str) -> None:
+        ds, inl, outl, sp = self.dataset, self.input_len, self.output_len, self.shared_prefix
+        if ds is not None and not os.path.isfile(ds):
+            raise RecipeError(f"{where}.dataset: file not found: {ds} (expected a JSONL file)")
+        if (inl.kind == "dataset") != (ds is not None):
+            raise RecipeError(f"{where}.input_len: kind dataset and workload.dataset go together "
+                              "(prompts come from the dataset file)")
+        if outl.kind == "dataset" and ds is None:
+            raise RecipeError(f"{where}.output_len: kind dataset needs workload.dataset (a JSONL path)")
+        if sp is not None and inl.shortest is not None and sp.len >= inl.shortest:
+            raise RecipeError(f"{key_of(where, 'shared_prefix')}.len ({sp.len}) must be < the shortest input_len "
+                              f"({inl.shortest}): the prefix is part of the prompt")
+        if self.token_high is not None and self.token_high <= self.token_low:
+            raise RecipeError(f"{where}.token_high ({self.token_high}) must be > token_low ({self.token_low})")

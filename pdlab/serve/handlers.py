@@ -4,7 +4,9 @@ unified: add requests, stream tokens.
 prefill: add requests; a request that sampled its first token is handed off (`PrefillDone`) and keeps its
   blocks until `Release`. In push mode each layer's KV goes to the decode pool during the last step.
 decode: `Pull` (reserve, read the prefill pool, admit) or `Reserve` + `Admit` (push: the KV was written
-  by the prefill worker); requests without room wait here until `transfer_timeout_s`.
+  by the prefill worker); requests without room wait here until `transfer_timeout_s`. A pull's copy runs
+  beside the loop (PullCopier) while the running requests keep decoding; the request is admitted when its
+  KV has landed. Its blocks stay reserved until the copy ended, also if it was aborted or timed out.
 """
 
 from __future__ import annotations
@@ -14,8 +16,9 @@ from typing import Any, Optional
 
 from pdlab.constants import cdiv
 from pdlab.engine import RequestError, SamplingParams
+from pdlab.kv.pull import PullCopier, PullJob
 from pdlab.kv.push import PushCopier, PushJob
-from pdlab.kv.transfer import TransferRecord, copy_blocks
+from pdlab.kv.transfer import TransferRecord
 from pdlab.serve import messages as m
 
 
@@ -27,11 +30,13 @@ class RoleHandler:
         self.push: dict[str, dict] = {}  # prefill, push mode: req -> decode blocks to write
         self.pending: list[tuple[Any, float]] = []  # decode: Pull/Reserve waiting for room
         self.reserved: dict[str, tuple[list[int], int]] = {}  # decode, push mode: req -> (blocks, skip)
+        self.pulls: dict[str, tuple[m.Pull, int, int, PullJob]] = {}  # decode, pull: copies in flight
+        self.dropped: set[str] = set()  # pulls aborted or timed out: cancel the reservation once copied
         self.copier: Optional[PushCopier] = None
+        self.puller: Optional[PullCopier] = None  # decode: started at the first Pull
         if self.role == "prefill" and self.spec.mode == "push":
             self.copier = PushCopier(self.eng.kv)
             self.eng.layer_hook = self._layer_hook
-        self.cuda = self.eng.kv.device.type == "cuda"
 
     # ---- messages ----
     def handle(self, msg: Any) -> None:
@@ -45,7 +50,7 @@ class RoleHandler:
                 self.push[msg.req_id] = msg.push
         elif isinstance(msg, (m.Pull, m.Reserve)):
             self.pending.append((msg, time.monotonic()))
-            self.poll_pending()
+            self._reserve_pending()
         elif isinstance(msg, m.Admit):
             self._admit_pushed(msg)
         elif isinstance(msg, m.Release):
@@ -55,7 +60,11 @@ class RoleHandler:
         elif isinstance(msg, m.Abort):
             self.pending = [(p, t) for p, t in self.pending if p.req_id != msg.req_id]
             self.reserved.pop(msg.req_id, None)
-            self.eng.abort(msg.req_id)
+            if msg.req_id in self.pulls:  # its copy may still write into its blocks: free them after it
+                self.dropped.add(msg.req_id)
+                self.puller.cancel(self.pulls[msg.req_id][3])
+            else:
+                self.eng.abort(msg.req_id)
             self._forget(msg.req_id)
         elif isinstance(msg, m.Query):
             self.w._send(self.w.stats(msg.token))
@@ -74,9 +83,17 @@ class RoleHandler:
 
     # ---- decode: KV in ----
     def has_pending(self) -> bool:
-        return bool(self.pending)
+        return bool(self.pending) or bool(self.pulls)
 
     def poll_pending(self) -> None:
+        """Admit the pulls whose copy ended, then reserve blocks for waiting hand-overs."""
+        if self.pulls:
+            if not self.eng.has_work():
+                self.puller.wait(0.002)  # nothing to step: do not spin on the core the copy runs on
+            self._collect_pulls()
+        self._reserve_pending()
+
+    def _reserve_pending(self) -> None:
         """Try to reserve blocks for waiting hand-overs, oldest first; time out those that wait too long."""
         still = []
         for i, (msg, t0) in enumerate(self.pending):
@@ -104,16 +121,34 @@ class RoleHandler:
         skip = r.cached_blocks
         try:
             src = self.transport.open(msg.src_pool)
-            t0 = time.monotonic()
-            n = copy_blocks(src, msg.src_blocks[skip:], self.eng.kv, r.block_ids[skip:], non_blocking=self.cuda)
-            self.transport.sync()
-            t1 = time.monotonic()
+            if self.puller is None:
+                self.puller = PullCopier(self.eng.kv)
+            job = self.puller.submit(msg.req_id, src, msg.src_blocks[skip:], r.block_ids[skip:])
         except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
             self.eng.cancel_reservation(msg.req_id)
             return self._fail(msg.req_id, f"{self.w.name}: KV pull from {msg.src} failed: {e}")
-        rec = TransferRecord(msg.req_id, n, len(r.block_ids) - skip, t0, t1, self.transport.name, "pull",
-                             msg.src, self.w.name, skip * self.eng.block_bytes, t1 - t0)
-        self._start_decoding(msg.req_id, msg.first_token, rec.to_dict())
+        self.pulls[msg.req_id] = (msg, skip, len(r.block_ids) - skip, job)
+
+    def _collect_pulls(self) -> None:
+        for job in self.puller.poll():
+            msg, skip, blocks, _ = self.pulls.pop(job.req_id)
+            if job.req_id in self.dropped:  # aborted or timed out: nobody waits for it any more
+                self.dropped.discard(job.req_id)
+                self.eng.cancel_reservation(job.req_id)
+            elif job.error:
+                self.eng.cancel_reservation(job.req_id)
+                self._fail(job.req_id, f"{self.w.name}: KV pull from {msg.src} failed: {job.error}")
+            else:
+                rec = TransferRecord(job.req_id, job.bytes, blocks, job.start, job.end, self.transport.name, "pull",
+                                     msg.src, self.w.name, skip * self.eng.block_bytes, job.busy)
+                self._start_decoding(job.req_id, msg.first_token, rec.to_dict())
+        now = time.monotonic()
+        for rid, (msg, _, _, job) in self.pulls.items():
+            if rid not in self.dropped and now - job.submitted > self.spec.transfer_timeout_s:
+                self.dropped.add(rid)  # its blocks stay reserved until the copy ends
+                self.puller.cancel(job)
+                self._fail(rid, f"{self.w.name}: KV pull of {rid} from {msg.src} did not finish within "
+                                f"{self.spec.transfer_timeout_s:g}s")
 
     def _admit_pushed(self, msg: m.Admit) -> None:
         if msg.req_id not in self.reserved:
@@ -182,14 +217,16 @@ class RoleHandler:
                     done.append(m.Finished(self.w.name, t.req_id, True, cached_tokens=t.cached_tokens,
                                            phases=phases if self.role != "decode" else {}))
                     self._forget(t.req_id)
-        if items:
-            self.w._send(m.Tokens(self.w.name, items, time.monotonic()))
+        if items:  # stamped when sampled: the end of the step that produced them
+            self.w._send(m.Tokens(self.w.name, items, out.record.end if out.record else time.monotonic()))
         for msg in done:
             self.w._send(msg)
 
     def close(self) -> None:
         if self.copier is not None:
             self.copier.close()
+        if self.puller is not None:
+            self.puller.close()
 
 
 def _t(seq: Any, attr: str) -> float:

@@ -1,6 +1,11 @@
-"""The run loop behind `pdlab run`: for every variant, start its workers once; for every rate, warm up,
-send the seeded requests at their scheduled times, collect every token as it reaches the router, and
-write the records as they come. Nothing here knows about engines: it drives a `Cluster`.
+"""The run loop behind `pdlab run`: for every variant, start its workers once; for every repeat, measure
+each rate of the grid, or search for goodput (saturation first, then the rates RateSearch asks for);
+at each rate warm up, send the seeded requests at their scheduled times, collect every token, and write
+the records as they come. Nothing here knows about engines: it drives a `Cluster`.
+
+Before the variants, `calibrate` measures one request at a time on one unified worker: what a request
+takes alone. It resolves relative SLOs (`ttft: 5x`) and gives the isolated prefill time for the M/D/1
+check of the measurements.
 
 Faults end the run cleanly: a worker that dies fails its in-flight requests (the router does that), the
 run stops there, and everything measured so far is written, marked partial. Ctrl-C does the same.
@@ -9,6 +14,7 @@ run stops there, and everything measured so far is written, marked partial. Ctrl
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -16,10 +22,12 @@ from typing import Any, Optional
 from pdlab.constants import STALL_TIMEOUT_S
 from pdlab.measure.metrics import build_request_record
 from pdlab.measure.records import RunDir
-from pdlab.recipe import Recipe, Variant
-from pdlab.workload import Workload, WorkloadRequest
+from pdlab.measure.search import RateSearch
+from pdlab.recipe import SLO, Deployment, Recipe, Variant
+from pdlab.workload import Workload, WorkloadRequest, build_requests
 
 LEAD_S = 0.05  # the first arrival is this far after the rate starts, so nothing is late by construction
+ALONE_REQUESTS = 3  # calibration: requests measured one at a time (after one unmeasured)
 
 
 class RunAborted(RuntimeError):
@@ -31,6 +39,20 @@ class _Pending:
     req: WorkloadRequest
     arrival: float  # absolute, time.monotonic()
     token_times: list[float] = field(default_factory=list)
+    received: list[float] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Alone:
+    """What one request took alone on one unified worker (calibration), in milliseconds."""
+
+    ttft_ms: float  # median TTFT: the isolated prefill time, plus a router hop
+    itl_ms: float  # median gap between tokens
+    requests: int
+    worker: str  # its devices
+
+    def to_dict(self) -> dict:
+        return {"ttft_ms": self.ttft_ms, "itl_ms": self.itl_ms, "requests": self.requests, "devices": self.worker}
 
 
 def check_machine(recipe: Recipe) -> None:
@@ -41,53 +63,150 @@ def check_machine(recipe: Recipe) -> None:
         place(v.deployment)
 
 
+def worker_cores(recipe: Recipe) -> set[int]:
+    """The CPU cores any worker of the recipe is pinned to."""
+    from pdlab.devices import parse_devices
+
+    return {d.index for v in recipe.variants.values() for w in v.deployment.workers
+            for d in parse_devices(list(w.devices)) if d.kind == "cpu"}
+
+
 class Harness:
     def __init__(self, recipe: Recipe, rd: RunDir, view: Any, workloads: dict[str, Workload]):
         """`workloads`: variant -> its requests (pdlab.workload.build_workload)."""
         self.recipe, self.rd, self.view = recipe, rd, view
         self.workloads = workloads
         self.steps_seen: dict[str, int] = {}
+        self.slo: SLO = recipe.slo  # absolute once calibrate() resolved a relative one
+        self.alone: Optional[Alone] = None
+        self.searches: dict[tuple[str, int], dict] = {}  # (variant, repeat) -> saturation rps and trials
+
+    def facts(self, warnings: list[str]) -> dict:
+        """What the summary needs beyond the records (pdlab.measure.summary.summarize_run)."""
+        slo = self.recipe.slo
+        return {"alone": self.alone.to_dict() if self.alone else None,
+                "relative": {"ttft": slo.ttft, "itl": slo.itl} if slo.relative else None,
+                "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
+                                    for n, v in self.recipe.variants.items()},
+                "floors": {k: s["floor"] for k, s in self.searches.items() if s.get("floor")},
+                "warnings": list(warnings)}
 
     def run(self) -> None:
+        self.calibrate()
         for variant in self.recipe.variant_names:
             self.run_variant(variant)
 
+    # ---- calibration: one request alone ----
+    def calibrate(self) -> Alone:
+        """Time a few requests one at a time on one unified worker on the first variant's first devices."""
+        from pdlab.serve.cluster import Cluster
+
+        v = self.recipe.resolved(self.recipe.variant_names[0])
+        devices = list(v.deployment.workers[0].devices)
+        dep = Deployment.from_raw({"unified": {"devices": devices}, "control": v.deployment.control}, "calibration")
+        wl = self.workloads[v.name]
+        reqs = build_requests(v.workload, math.inf, v.seed, wl.vocab, wl.tokenizer, wl.dataset,
+                              n=ALONE_REQUESTS + 1, stream="alone")
+        self.view.status("measuring one request alone (calibration)")
+        ttfts, gaps = [], []
+        with Cluster(v.model, v.engine, dep, seed=v.seed) as cluster:
+            cluster.start()
+            for i, r in enumerate(reqs):
+                recs = self.serve(cluster, "(alone)", math.inf, 0, (r,), warmup=True, write=False)
+                times = recs[0]["token_times"] if recs and recs[0]["ok"] else []
+                if i and times:  # the first one warms up
+                    ttfts.append(times[0] - recs[0]["arrival"])
+                    gaps += [b - a for a, b in zip(times, times[1:])]
+        if not ttfts:
+            raise RunAborted("calibration failed: no request completed alone on one unified worker")
+        itl = statistics.median(gaps) if gaps else float("nan")
+        self.alone = Alone(1000 * statistics.median(ttfts), 1000 * itl, len(ttfts), ",".join(devices))
+        if self.slo.relative:
+            if math.isnan(itl):
+                raise RunAborted("a relative ITL SLO needs requests with 2+ output tokens to measure ITL alone")
+            self.slo = self.slo.resolved(self.alone.ttft_ms, self.alone.itl_ms)
+        self.view.set_slo(self.slo)
+        self.view.note(f"one request alone: TTFT {self.alone.ttft_ms:.0f} ms, ITL {self.alone.itl_ms:.1f} ms; "
+                       f"SLO: {self.slo.describe()}")
+        return self.alone
+
+    # ---- variants ----
     def run_variant(self, variant: str) -> None:
         from pdlab.serve.cluster import Cluster
 
         v = self.recipe.resolved(variant)
-        workload = self.workloads[variant]
-        for rate in v.rates:
-            self.view.plan(variant, rate, v.workload.requests)
         n = len(v.deployment.workers)
-        self.view.note(f"{variant}: starting {n} worker{'s' if n != 1 else ''}")
+        self.view.status(f"{variant}: starting {n} worker{'s' if n != 1 else ''}")
         with Cluster(v.model, v.engine, v.deployment, seed=v.seed) as cluster:
             cluster.start()
             for w in cluster.workers:
                 self.view.update_worker(w.name, role=w.role, devices=",".join(w.devices))
-            for rate in v.rates:
-                cluster.reset_prefix_cache()  # every rate starts with a cold prefix cache
-                if workload.warmup:
-                    self.serve(cluster, v, rate, workload.warmup, warmup=True)
-                self.serve(cluster, v, rate, workload.at(rate), warmup=False)
+            for repeat, seed in enumerate(v.seeds()):
+                if v.auto:
+                    self.search(cluster, v, repeat, seed)
+                else:
+                    for rate in v.rates:
+                        self.measure(cluster, v, repeat, seed, rate)
         self.view.drop_workers()
 
-    def serve(self, cluster: Any, v: Variant, rate: float, reqs: tuple[WorkloadRequest, ...], warmup: bool) -> None:
-        """Send `reqs` at their arrival offsets and collect until each has finished."""
+    def measure(self, cluster: Any, v: Variant, repeat: int, seed: int, rate: float) -> list[dict]:
+        """One (variant, repeat, rate) point: cold prefix cache, warm-up, then the measured requests."""
+        wl = self.workloads[v.name]
+        reqs = wl.at(rate, seed)
+        self.view.plan(v.name, rate, len(reqs), repeat=repeat)
+        cluster.reset_prefix_cache()  # every rate starts with a cold prefix cache
+        if wl.n_warmup:
+            self.view.status(f"{v.name}: warming up for {_tag(rate)} req/s")
+            self.serve(cluster, v.name, rate, repeat, wl.warmup(seed), warmup=True)
+        self.view.status(f"{v.name}: measuring {_tag(rate)} req/s" + (f" (repeat {repeat + 1})" if v.repeats > 1
+                                                                        else ""))
+        return self.serve(cluster, v.name, rate, repeat, reqs, warmup=False)
+
+    def search(self, cluster: Any, v: Variant, repeat: int, seed: int) -> None:
+        """Saturation first (every request at once), then the rates the search asks for."""
+        sat = self.measure(cluster, v, repeat, seed, math.inf)
+        ok = [r for r in sat if r["ok"]]
+        span = max((r["token_times"][-1] for r in ok), default=0.0) - min((r["arrival"] for r in sat), default=0.0)
+        info: dict = {"saturation_rps": None, "trials": []}
+        self.searches[(v.name, repeat)] = info
+        if not ok or span <= 0:
+            self.view.note(f"{v.name}: no request completed at saturation; no rate to search from")
+            return
+        info["saturation_rps"] = len(ok) / span
+        s = v.search
+        rs = RateSearch(self.slo.attainment, len(ok) / span, max_trials=s.max_trials, rel_tol=s.rel_tol,
+                        start_fraction=s.start)
+        info["floor"] = rs.floor
+        while (rate := rs.next_rate()) is not None:
+            recs = self.measure(cluster, v, repeat, seed, rate)
+            att = sum(r["slo_ok"] for r in recs) / len(recs) if recs else 0.0
+            rs.record(rate, att)
+            info["trials"].append({"rate": rate, "attainment": att})
+
+    # ---- one rate ----
+    def serve(self, cluster: Any, variant: str, rate: float, repeat: int, reqs: tuple[WorkloadRequest, ...],
+              warmup: bool, write: bool = True) -> list[dict]:
+        """Send `reqs` at their arrival offsets and collect until each has finished; returns their records."""
         from pdlab.serve.cluster import RequestDone, StepEvent, TokenEvent, TransferEvent, WorkerFailed
 
-        variant, slo = v.name, v.slo
+        slo = self.slo
         t0 = time.monotonic() + LEAD_S
         pending = {r.id: _Pending(r, t0 + (0.0 if math.isinf(r.arrival) else r.arrival)) for r in reqs}
         order = sorted(pending.values(), key=lambda p: p.arrival)
-        sent = 0
+        sent, done = 0, []
+        tag = {"variant": variant, "rate": rate, "repeat": repeat, **({"warmup": True} if warmup else {})}
 
         def record(p: _Pending, output_ids: list[int], error: Optional[str], phases: Optional[dict] = None,
                    workers: Optional[dict] = None, cached: int = 0) -> dict:
             return build_request_record(
                 variant=variant, rate=rate, id=p.req.id, prompt_ids=p.req.prompt_ids, output_ids=output_ids,
                 arrival=p.arrival, token_times=p.token_times, slo=slo, error=error, phases=phases,
-                workers=workers, cached_tokens=cached, warmup=warmup)
+                workers=workers, cached_tokens=cached, warmup=warmup, repeat=repeat,
+                delivery_lag=[b - a for a, b in zip(p.token_times, p.received)])
+
+        def append(kind: str, records: list[dict]) -> None:
+            if write:
+                self.rd.append(kind, records)
 
         try:
             last_event = time.monotonic()
@@ -98,7 +217,7 @@ class Harness:
                     cluster.submit(p.req.id, p.req.prompt_ids, {"max_tokens": p.req.output_len, "ignore_eos": True})
                     sent += 1
                 if not warmup:
-                    self.view.update_requests(variant, rate, sent=sent)
+                    self.view.update_requests(variant, rate, sent=sent, repeat=repeat)
                 wait = order[sent].arrival - time.monotonic() if sent < len(order) else 0.5
                 events = cluster.poll(max(0.0, min(wait, 0.5)))
                 if events:
@@ -109,6 +228,7 @@ class Harness:
                     if isinstance(e, TokenEvent):
                         if e.req_id in pending:
                             pending[e.req_id].token_times.append(e.t)
+                            pending[e.req_id].received.append(e.received)
                     elif isinstance(e, RequestDone):
                         p = pending.pop(e.req_id, None)
                         if p is not None:
@@ -117,31 +237,30 @@ class Harness:
                             records.append(record(p, e.output_ids, None if e.ok else (e.error or "failed"),
                                                   e.phases, workers, e.cached_tokens))
                     elif isinstance(e, StepEvent):
-                        steps.append({"variant": variant, "rate": rate, "worker": e.worker, "role": e.role,
-                                      **e.record, **({"warmup": True} if warmup else {})})
+                        steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
                         self._worker_view(e)
                     elif isinstance(e, TransferEvent):
-                        transfers.append({"variant": variant, "rate": rate, **e.record,
-                                          **({"warmup": True} if warmup else {})})
+                        transfers.append({**tag, **e.record})
                     elif isinstance(e, WorkerFailed):
                         failure = failure or e.reason
-                self.rd.append("requests", records)
-                self.rd.append("steps", steps)
-                self.rd.append("transfers", transfers)
+                append("requests", records)
+                append("steps", steps)
+                append("transfers", transfers)
+                done += records
                 if records and not warmup:
-                    self.view.update_requests(variant, rate, records=records)
+                    self.view.update_requests(variant, rate, records=records, repeat=repeat)
                 if failure:  # a degraded cluster would measure something else: stop here
                     raise RunAborted(failure)
                 if time.monotonic() - last_event > STALL_TIMEOUT_S:
-                    raise RunAborted(f"no progress for {STALL_TIMEOUT_S:.0f}s at {variant} @ {rate} req/s "
+                    raise RunAborted(f"no progress for {STALL_TIMEOUT_S:.0f}s at {variant} @ {_tag(rate)} req/s "
                                      f"({len(pending)} requests unfinished)")
         except BaseException as e:
             # Requests already sent and not finished are written as failed, with why: they count as
             # misses of this (variant, rate) instead of silently vanishing from its attainment.
             why = "interrupted (Ctrl-C)" if isinstance(e, KeyboardInterrupt) else f"run stopped early: {e}"
-            cut = [record(p, [], why) for p in order[:sent] if p.req.id in pending]
-            self.rd.append("requests", cut)
+            append("requests", [record(p, [], why) for p in order[:sent] if p.req.id in pending])
             raise
+        return done
 
     def _worker_view(self, e: Any) -> None:
         r = e.record
@@ -149,3 +268,7 @@ class Harness:
         self.view.update_worker(e.worker, role=e.role, running=r.get("running"), waiting=r.get("waiting"),
                                 kv_used=r.get("kv_blocks_used"), kv_total=r.get("kv_blocks_total"),
                                 steps=self.steps_seen[e.worker])
+
+
+def _tag(rate: float) -> str:
+    return "inf" if math.isinf(rate) else f"{rate:g}"

@@ -1,12 +1,15 @@
 """Seeded workloads: the same seed gives every variant the same requests at the same arrival times.
 
-Randomness is split into independent streams keyed by (seed, purpose, rate), so:
+Randomness is split into independent streams keyed by (seed, purpose), so:
 - the variant never enters: unified and disaggregated runs see identical requests;
 - arrival gaps are drawn at unit rate and scaled by 1/rate, so the arrival pattern at rate 4 is the one
-  at rate 2 compressed twice;
-- prompts are drawn per rate: a worker that lives across the rate grid must not find the previous
-  rate's prompts in its prefix cache. Shared-prefix groups are the same at every rate (the prefixes are
-  the point of that workload; after warm-up they are cached anyway).
+  at rate 2 compressed twice; by default the gaps are then rescaled so that the realised mean rate
+  (n - 1 gaps over the span from first to last arrival) equals the nominal rate exactly, as `vllm bench
+  serve` does: otherwise a short run's realised rate can be 10-20% off the rate it is reported at;
+- prompts come from a named stream: on a rate grid one stream per rate (each rate starts with a cold
+  prefix cache anyway); in a rate search one stream for every trial, so the search compares rates on
+  the same prompts; warm-up requests have their own stream. Shared-prefix groups are the same everywhere.
+- repeats use seed + i: distinct requests per repeat, the same ones for every variant.
 A rate of inf puts every arrival at 0: the saturation point.
 """
 
@@ -16,7 +19,7 @@ import json
 import math
 import zlib
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -68,7 +71,10 @@ def arrival_times(arrival: ArrivalSpec, rate: float, n: int, seed: int) -> list[
         return [float((i // size) * size / rate) for i in range(n)]
     else:
         raise WorkloadError(f"unknown arrival kind {kind!r}")
-    return [0.0] + [float(t) for t in np.cumsum(gaps) / rate]
+    times = np.concatenate(([0.0], np.cumsum(gaps)))
+    if arrival.rescale and n > 1 and times[-1] > 0:
+        times *= (n - 1) / times[-1]  # mean gap exactly 1 (at unit rate)
+    return [float(t) for t in times / rate]
 
 
 def _length(spec: LengthSpec, rng: np.random.Generator, line: Optional[dict], what: str) -> int:
@@ -124,14 +130,17 @@ def load_dataset(path: str, tokenizer: Any = None, vocab_size: Optional[int] = N
 
 def build_requests(workload: WorkloadSpec, rate: float, seed: int, vocab_size: int, tokenizer: Any = None,
                    dataset: Optional[list[dict]] = None, n: Optional[int] = None,
-                   purpose: Union[str, float, None] = None) -> list[WorkloadRequest]:
+                   stream: Optional[str] = None) -> list[WorkloadRequest]:
     """The requests of one rate: `workload` is the recipe's `workload` section.
 
-    `n` defaults to workload.requests; `purpose` (default: the rate) keys the prompt stream, e.g.
-    "warmup" for warm-up requests. `dataset` may be passed pre-loaded (see load_dataset).
+    `n` defaults to workload.requests; `stream` (default: the rate's tag) keys the prompts, e.g. "warmup"
+    for warm-up requests or "search" for every trial of a rate search. Arrivals follow the rate. Ids are
+    "<stream>-<i>", with the rate added when the stream is not the rate's own. `dataset` may be passed
+    pre-loaded (see load_dataset).
     """
     n = workload.requests if n is None else n
-    key = rate_tag(rate) if purpose is None else str(purpose)
+    key = rate_tag(rate) if stream is None else stream
+    prefix = key if stream is None or stream == "warmup" else f"{key}@{rate_tag(rate)}"
     low = workload.token_low
     high = workload.token_high or vocab_size
     if high > vocab_size or low >= high:
@@ -147,7 +156,7 @@ def build_requests(workload: WorkloadSpec, rate: float, seed: int, vocab_size: i
 
     rng = _rng(seed, "prompts", key)
     order = rng.permutation(len(dataset)).tolist() if dataset else []
-    arrivals = arrival_times(workload.arrival, rate, n, seed) if purpose is None else [0.0] * n
+    arrivals = arrival_times(workload.arrival, rate, n, seed)
     out = []
     for i in range(n):
         line = dataset[order[i % len(order)]] if dataset else None
@@ -164,7 +173,7 @@ def build_requests(workload: WorkloadSpec, rate: float, seed: int, vocab_size: i
             head = prefixes[group] if group is not None else []
             prompt = head + rng.integers(low, high, total - len(head)).tolist()
         olen = _length(workload.output_len, rng, line, "output_len")
-        out.append(WorkloadRequest(id=f"{key}-{i:04d}", prompt_ids=[int(t) for t in prompt], output_len=olen,
+        out.append(WorkloadRequest(id=f"{prefix}-{i:04d}", prompt_ids=[int(t) for t in prompt], output_len=olen,
                                    arrival=arrivals[i], prefix_group=group))
     return out
 
@@ -173,24 +182,39 @@ def build_warmup(workload: WorkloadSpec, seed: int, vocab_size: int, n: int, tok
                  dataset: Optional[list[dict]] = None) -> list[WorkloadRequest]:
     """Warm-up requests: drawn like the measured ones from their own stream, all arriving at 0; with shared
     prefixes, request i carries prefix group i % groups, so `warmup >= groups` warms every prefix."""
-    return build_requests(workload, math.inf, seed, vocab_size, tokenizer, dataset, n=n, purpose="warmup")
+    return build_requests(workload, math.inf, seed, vocab_size, tokenizer, dataset, n=n, stream="warmup")
 
 
-@dataclass(frozen=True)
 class Workload:
-    """Every request one variant will send: the warm-up requests and the measured ones per rate."""
+    """Every request one variant sends, for each repeat (seed) and rate: built on demand (seeded, cheap) and
+    cached, so a searched rate gets its requests when the search asks for it."""
 
-    warmup: tuple[WorkloadRequest, ...]
-    by_rate: dict[float, tuple[WorkloadRequest, ...]]
+    def __init__(self, spec: WorkloadSpec, warmup: int, search: bool, vocab: int, tokenizer: Any = None,
+                 dataset: Optional[list[dict]] = None):
+        self.spec, self.n_warmup, self.search = spec, warmup, search
+        self.vocab, self.tokenizer, self.dataset = vocab, tokenizer, dataset
+        self._cache: dict[tuple, tuple[WorkloadRequest, ...]] = {}
 
-    def at(self, rate: float) -> tuple[WorkloadRequest, ...]:
-        return self.by_rate[rate]
+    def warmup(self, seed: int) -> tuple[WorkloadRequest, ...]:
+        key = ("warmup", seed)
+        if key not in self._cache:
+            self._cache[key] = tuple(build_warmup(self.spec, seed, self.vocab, self.n_warmup, self.tokenizer,
+                                                  self.dataset))
+        return self._cache[key]
+
+    def at(self, rate: float, seed: int) -> tuple[WorkloadRequest, ...]:
+        key = (rate, seed)
+        if key not in self._cache:
+            self._cache[key] = tuple(build_requests(self.spec, rate, seed, self.vocab, self.tokenizer, self.dataset,
+                                                    stream="search" if self.search else None))
+        return self._cache[key]
 
 
 def build_workload(variant: Any) -> Workload:
-    """Every request a variant (pdlab.recipe.Variant) will send. Built (seeded, cheaply) before anything starts,
-    so that a workload the model cannot serve is a recipe error now rather than failed requests later, and
-    what was checked is what is sent."""
+    """The requests a variant (pdlab.recipe.Variant) sends. Its grid (or, for a search, the saturation point)
+    is built now, for every repeat, before anything starts, so that a workload the model cannot serve is a
+    recipe error now rather than failed requests later; searched rates draw prompts from the same stream,
+    so their prompts are the ones checked."""
     from pdlab.engine.model import load_tokenizer, model_config
 
     config = model_config(variant.model)
@@ -199,11 +223,11 @@ def build_workload(variant: Any) -> Workload:
     tokenizer = load_tokenizer(variant.model)
     wl = variant.workload
     dataset = load_dataset(wl.dataset, tokenizer, vocab) if wl.dataset else None
-    warmup = build_warmup(wl, variant.seed, vocab, variant.warmup, tokenizer, dataset)
-    by_rate = {rate: tuple(build_requests(wl, rate, variant.seed, vocab, tokenizer, dataset))
-               for rate in variant.rates}
-    longest = max((len(r.prompt_ids) for reqs in [warmup, *by_rate.values()] for r in reqs), default=0)
+    w = Workload(wl, variant.warmup, variant.auto, vocab, tokenizer, dataset)
+    rates = [math.inf] if variant.auto else list(variant.rates)
+    built = [w.warmup(s) for s in variant.seeds()] + [w.at(r, s) for s in variant.seeds() for r in rates]
+    longest = max((len(r.prompt_ids) for reqs in built for r in reqs), default=0)
     if context and longest >= context:
         raise WorkloadError(f"workload: prompts of up to {longest} tokens do not fit {variant.name}'s model "
                             f"context of {context} tokens (input_len, shared_prefix.len or the dataset)")
-    return Workload(tuple(warmup), by_rate)
+    return w

@@ -9,7 +9,8 @@ import os
 import pytest
 
 from pdlab.commands.compare import main
-from pdlab.measure.metrics import build_request_record, summarize_run
+from pdlab.measure.metrics import build_request_record
+from pdlab.measure.summary import summarize_run
 from pdlab.measure.records import RunDir, load_run
 from pdlab.recipe import SLO as Slo
 from pdlab.report.compare import compare, describe_deployment, render
@@ -20,13 +21,29 @@ DEPS = {"unified": {"kind": "unified", "unified": {"replicas": 1, "devices": ["c
                    "decode": {"replicas": 1, "devices": ["cpu:1"]}, "transport": "shm", "mode": "push"}}
 
 
-def make_run(path, itl_bad=(0, 3, 10), ttft_bad=(0, 0, 10), out_tok_gap=0.02):
+def make_run(path, itl_bad=(0, 3, 10), ttft_bad=(0, 0, 10), out_tok_gap=0.02, repeats=1, workload=None):
     """10 requests per rate; at rate index i, unified has itl_bad[i] requests with a 200 ms gap (over a
-    prefill step), disagg has ttft_bad[i] requests with a 300 ms TTFT."""
+    prefill step), disagg has ttft_bad[i] requests with a 300 ms TTFT. With repeats, repeat j has j more
+    (then fewer) unified ITL misses at rate 2: 3, 4, 2, ..."""
     reqs, steps = [], []
+    for j in range(repeats):
+        r_itl = list(itl_bad)
+        r_itl[1] = max(0, min(10, itl_bad[1] + (0, 1, -1)[j % 3])) if itl_bad[1] else 0
+        _one_repeat(reqs, steps, j, r_itl, ttft_bad, out_tok_gap)
+    with RunDir(str(path)) as rd:
+        rd.write_recipe({"name": "synthetic", "slo": SLO.to_raw(), "rates": [1.0, 2.0, math.inf],
+                         "workload": workload or {"requests": 10},
+                         "variants": {v: {"deployment": d} for v, d in DEPS.items()}})
+        rd.append("requests", reqs)
+        rd.append("steps", steps)
+        rd.write_summary(summarize_run(reqs, steps, [], SLO))
+    return str(path)
+
+
+def _one_repeat(reqs, steps, repeat, itl_bad, ttft_bad, out_tok_gap):
     for v in ("unified", "disagg"):
         for i, rate in enumerate([1.0, 2.0, math.inf]):
-            base = 100.0 * (i + 1) + (0 if v == "unified" else 1000)
+            base = 100.0 * (i + 1) + (0 if v == "unified" else 1000) + 10000 * repeat
             for k in range(10):
                 a = base + k
                 first = a + (0.3 if v == "disagg" and k < ttft_bad[i] else 0.05)
@@ -34,20 +51,13 @@ def make_run(path, itl_bad=(0, 3, 10), ttft_bad=(0, 0, 10), out_tok_gap=0.02):
                 worker = "unified-0" if v == "unified" else "decode-0"
                 if v == "unified" and k < itl_bad[i]:
                     times[2] = times[1] + 0.2
-                    steps.append({"variant": v, "rate": rate, "worker": worker, "role": "unified",
+                    steps.append({"variant": v, "rate": rate, "repeat": repeat, "worker": worker, "role": "unified",
                                   "start": times[1] + 0.01, "end": times[2] - 0.01, "prefill_tokens": 1500,
                                   "decode_seqs": 1})
                 reqs.append(build_request_record(
                     variant=v, rate=rate, id=f"{k}", prompt_ids=[3] * 20, output_ids=[4] * 3, arrival=a,
                     token_times=times, slo=SLO, workers={"unified": worker} if v == "unified" else
-                    {"prefill": "prefill-0", "decode": worker}))
-    with RunDir(str(path)) as rd:
-        rd.write_recipe({"name": "synthetic", "slo": SLO.to_raw(), "rates": [1.0, 2.0, math.inf],
-                         "variants": {v: {"deployment": d} for v, d in DEPS.items()}})
-        rd.append("requests", reqs)
-        rd.append("steps", steps)
-        rd.write_summary(summarize_run(reqs, steps, [], SLO))
-    return str(path)
+                    {"prefill": "prefill-0", "decode": worker}, repeat=repeat))
 
 
 def test_describe_deployment():
@@ -63,12 +73,34 @@ def test_compare_rows_and_verdict(tmp_path):
     assert (u["itl_misses"], u["ttft_misses"], u["prefill_interruptions"]) == (3, 0, 3)  # inf is not counted
     assert (d["itl_misses"], d["ttft_misses"]) == (0, 0)
     # unified: 1 -> 1.0, 2 -> 0.7: 1 + 0.1/0.3 = 1.333; disagg passes every finite rate: >= 2
-    assert u["goodput"] == pytest.approx(4 / 3) and d["goodput"] == 2.0 and d["goodput_lower_bound"]
+    assert u["goodput"]["mean"] == pytest.approx(4 / 3) and u["goodput"]["closed"]
+    assert d["goodput"]["mean"] == 2.0 and d["goodput"]["open_above"]
     assert d["relative_goodput"] == pytest.approx(1.5)
-    assert u["focus"]["itl_ms"]["p50"] == pytest.approx(20.0)
-    # saturation: unified ends at 9.27 s, disagg at 9.34 s (its TTFTs are 300 ms there): 30 tokens each, -0.75%
-    assert res["verdict"] == ["disagg vs unified: ITL misses 3 → 0, TTFT misses 0 → 0, throughput −1%, "
-                              "goodput 1.50×: disaggregation bought predictability, not capacity"]
+    assert u["latencies"]["itl_p50_ms"]["mean"] == pytest.approx(20.0)
+    assert u["latencies"]["worst_gap_p50_ms"]["mean"] == pytest.approx(20.0)  # 7 of 10 requests: 20 ms at worst
+    # one repeat has no interval, so no difference is claimed
+    assert res["verdict"] == ["disagg vs unified: goodput ≥ 2.00 vs 1.33 req/s (1.50×), ITL misses 3 → 0, TTFT "
+                              "misses 0 → 0, saturation throughput −1%: not distinguishable on this machine; a lower "
+                              "bound: the rates tried never failed for disagg (one repeat has no interval: set "
+                              "repeats: 3 or more to tell a difference from noise)"]
+
+
+def test_repeats_give_intervals_and_a_verdict_when_they_separate(tmp_path):
+    res = compare([load_run(make_run(tmp_path / "r", repeats=3))])
+    u, d = res["rows"]
+    # unified per repeat: 1.333 (3 misses at 2 req/s), 1.25 (4), 1.5 (2); disagg >= 2 every time
+    assert u["goodput"]["values"] == pytest.approx([4 / 3, 1.25, 1.5])
+    assert u["goodput"]["lo"] < 1.2 and u["goodput"]["hi"] < 2.0 and d["goodput"]["lo"] == 2.0
+    assert res["verdict"] == ["disagg vs unified: goodput ≥ 2.00 ± 0.00 vs 1.36 ± 0.32 req/s (1.47×), ITL misses 9 → 0, "
+                              "TTFT misses 0 → 0, saturation throughput −1%: disaggregation bought predictability, "
+                              "not capacity; a lower bound: the rates tried never failed for disagg"]
+
+
+def test_runs_of_different_recipes_are_not_compared(tmp_path):
+    a = load_run(make_run(tmp_path / "a"))
+    b = load_run(make_run(tmp_path / "b", workload={"requests": 99}))
+    with pytest.raises(ValueError, match="cannot compare a with b: different workload"):
+        compare([a, b])
 
 
 def test_verdict_when_unified_has_no_itl_problem(tmp_path):
@@ -89,9 +121,11 @@ def test_render_prints_a_table(tmp_path):
     from rich.console import Console
 
     buf = io.StringIO()
-    render(compare([load_run(make_run(tmp_path / "r"))]), Console(file=buf, width=200))
+    render(compare([load_run(make_run(tmp_path / "r"))]), Console(file=buf, width=100))
     text = buf.getvalue()
-    assert "7/10" in text and "1.50×" in text and "≥2.00" in text and "predictability" in text
+    assert "7/10" in text and "1.50×" in text and "≥ 2.00" in text and "unified 1x[cpu:0]" in text
+    assert "1P[cpu:0] + 1D[cpu:1] shm push" in text and "not distinguishable" in text
+    assert max(len(line) for line in text.splitlines()) <= 100  # reads at 100 columns
 
 
 def test_command_json_and_errors(tmp_path, capsys):

@@ -5,8 +5,10 @@ import math
 import pytest
 
 from pdlab.measure.attribution import attribute_gaps, ttft_parts
-from pdlab.measure.metrics import build_request_record, stats, summarize_rate, summarize_run, timings
-from pdlab.measure.slo import goodput, itl_value, miss_kind, request_slo
+from pdlab.measure.metrics import build_request_record, stats, summarize_rate, timings
+from pdlab.measure.search import goodput_of
+from pdlab.measure.slo import itl_value, miss_kind, request_slo
+from pdlab.measure.summary import summarize_run
 from pdlab.recipe import SLO as Slo
 
 SLO = Slo(ttft_ms=100.0, itl_ms=50.0, itl_stat="p99", attainment=0.9)
@@ -71,23 +73,24 @@ def test_build_request_record_fields():
 
 
 def test_goodput_interpolates_where_attainment_crosses_target():
-    g = goodput([(1, 1.0), (2, 0.95), (4, 0.85), (8, 0.2)], 0.9)
+    g = goodput_of([(1, 1.0), (2, 0.95), (4, 0.85), (8, 0.2)], 0.9)
     # between 2 (0.95) and 4 (0.85): 2 + (0.95-0.9)/(0.95-0.85) * 2 = 3.0
-    assert g["goodput"] == pytest.approx(3.0)
-    assert not g["lower_bound"] and not g["below_grid"] and g["monotonic"]
+    assert g.goodput == pytest.approx(3.0)
+    assert g.closed and g.monotonic and (g.last_pass, g.first_fail) == (2.0, 4.0)
 
 
 def test_goodput_edge_cases():
-    allpass = goodput([(1, 1.0), (2, 0.95), (math.inf, 0.1)], 0.9)  # inf is saturation, not on the grid
-    assert allpass["goodput"] == 2.0 and allpass["lower_bound"]
-    assert [p["rate"] for p in allpass["grid"]] == [1.0, 2.0]
-    nopass = goodput([(1, 0.5), (2, 0.2)], 0.9)
-    assert nopass["goodput"] == 0.0 and nopass["below_grid"]
-    exact = goodput([(1, 1.0), (2, 0.9), (4, 0.5)], 0.9)  # exactly at target passes
-    assert exact["goodput"] == 2.0
-    bumpy = goodput([(1, 0.95), (2, 0.5), (4, 0.92), (6, 0.4)], 0.9)  # highest passing rate wins
-    assert bumpy["goodput"] == pytest.approx(4 + 0.02 / 0.52 * 2) and not bumpy["monotonic"]
-    assert goodput([(math.inf, 1.0)], 0.9)["goodput"] is None
+    allpass = goodput_of([(1, 1.0), (2, 0.95), (math.inf, 0.1)], 0.9)  # inf is saturation, not a rate
+    assert allpass.goodput == 2.0 and allpass.open_above
+    assert [r for r, _ in allpass.trials] == [1.0, 2.0]
+    nopass = goodput_of([(1, 0.5), (2, 0.2)], 0.9)
+    assert nopass.goodput == 0.0 and nopass.open_below
+    exact = goodput_of([(1, 1.0), (2, 0.9), (4, 0.5)], 0.9)  # exactly at target passes
+    assert exact.goodput == pytest.approx(2.0)
+    # the first crossing bounds goodput: a pass above a failure is flagged, never rewarded
+    bumpy = goodput_of([(1, 0.95), (2, 0.5), (4, 0.92), (6, 0.4)], 0.9)
+    assert bumpy.goodput == pytest.approx(1 + 0.05 / 0.45) and not bumpy.monotonic
+    assert goodput_of([(math.inf, 1.0)], 0.9).goodput is None
 
 
 def test_ttft_parts_unified_and_disagg():
@@ -154,9 +157,10 @@ def test_summarize_run_goodput_per_variant():
     assert list(v["rates"]) == ["1", "2", "inf"]
     assert v["rates"]["2"]["attainment"] == pytest.approx(0.8)
     # 1 -> 1.0, 2 -> 0.8: 1 + (1.0 - 0.9) / 0.2 * 1 = 1.5
-    assert v["goodput"]["goodput"] == pytest.approx(1.5)
-    assert v["saturation"]["output_tok_s"] == pytest.approx(20 / 0.55)
-    assert s["slo"] == SLO.to_raw() and s["partial"] is False
+    assert v["goodput"]["mean"] == pytest.approx(1.5) and v["goodput"]["closed"]
+    assert v["saturation"]["output_tok_s"]["mean"] == pytest.approx(20 / 0.55)
+    assert s["slo"] == {"ttft_ms": 100.0, "itl_ms": 50.0, "itl_stat": "p99", "attainment": 0.9}
+    assert s["partial"] is False
 
 
 def test_ttft_parts_wait_for_room_is_admission_not_transfer():

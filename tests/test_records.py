@@ -76,7 +76,8 @@ def test_collect_env_has_the_basics():
 
 def test_finalize_summary_equals_a_recomputation_from_requests_jsonl(tmp_path):
     from pdlab.measure.finish import finalize
-    from pdlab.measure.metrics import build_request_record, summarize_run
+    from pdlab.measure.metrics import build_request_record
+    from pdlab.measure.summary import summarize_run
 
     from pdlab.recipe import SLO
 

@@ -7,8 +7,8 @@ import sys
 
 import pytest
 
-from pdlab.measure.metrics import summarize_run
-from pdlab.measure.records import load_run
+from pdlab.measure.summary import summarize_run
+from pdlab.measure.records import dumps, load_run
 from pdlab.recipe import SLO
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -54,10 +54,14 @@ def test_every_request_served_and_disaggregated_equals_unified(tiny_run):
 
 @pytest.mark.slow
 def test_summary_is_what_the_records_say(tiny_run):
+    """summary.json is a function of the records and the run's few facts (env.json, the calibration)."""
     run = load_run(tiny_run)
     grid = {v: [20.0, float("inf")] for v in ("unified", "disagg")}
-    again = summarize_run(run.requests, run.steps, run.transfers, SLO.from_raw(run.summary["slo"], "slo"), grid=grid)
-    assert json.loads(json.dumps(again, default=str)) == json.loads(json.dumps(run.summary, default=str))
+    again = summarize_run(run.requests, run.steps, run.transfers, SLO.from_raw(run.summary["slo"], "slo"), grid=grid,
+                          alone=run.summary["alone"], prefill_workers={"unified": 1, "disagg": 1},
+                          warnings=run.env["warnings"])
+    assert json.loads(dumps(again)) == run.summary
+    assert run.summary["alone"]["requests"] == 3 and run.summary["alone"]["ttft_ms"] > 0
 
 
 @pytest.mark.slow
@@ -117,7 +121,7 @@ def test_bad_recipes_fail_in_one_line_and_start_nothing(args, msg, tmp_path):
     r = pdlab("run", TINY, "--out", out, *args, timeout=60)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and msg in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith("pdlab run: error: ") and msg in lines[0], r.stderr
     assert "Traceback" not in r.stderr
     assert not os.path.exists(out)
 
@@ -125,6 +129,17 @@ def test_bad_recipes_fail_in_one_line_and_start_nothing(args, msg, tmp_path):
 def test_missing_recipe_file(tmp_path):
     r = pdlab("run", str(tmp_path / "nope.yaml"), timeout=60)
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("make,msg", [
+    (lambda p: p.mkdir(), "is a directory; expected a recipe YAML file"),
+    (lambda p: p.write_text(""), "recipe: empty; expected at least rates and a deployment"),
+])
+def test_a_directory_or_an_empty_file_is_not_a_recipe(tmp_path, make, msg):
+    path = tmp_path / "r.yaml"
+    make(path)
+    r = pdlab("run", str(path), timeout=60)
+    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_out_that_is_a_file(tmp_path):

@@ -9,15 +9,31 @@ from typing import Optional
 
 
 def _err(msg: str) -> int:
-    print(f"error: {msg}", file=sys.stderr)
+    print(f"pdlab run: error: {msg}", file=sys.stderr)
     return 2
+
+
+def place_main_process(recipe: object) -> tuple[list[int], list[str]]:
+    """Keep the main process (router, harness) off the workers' cores when the machine has spare ones.
+    Returns its cores and the warnings to record."""
+    from pdlab.harness import worker_cores
+
+    mine = set(os.sched_getaffinity(0))
+    spare = sorted(mine - worker_cores(recipe))
+    if spare and len(spare) < len(mine):
+        os.sched_setaffinity(0, spare)
+        return spare, []
+    if spare:
+        return spare, []
+    return sorted(mine), ["the main process shares cores with the workers (this machine has no spare core): token "
+                          "times are the workers' own stamps, but sends may be late and delivery lag high under load"]
 
 
 def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Optional[str]) -> int:
     from pdlab.engine.model import ModelLoadError
     from pdlab.harness import Harness, RunAborted, check_machine
     from pdlab.measure.finish import finalize
-    from pdlab.measure.records import RunDir, default_run_path
+    from pdlab.measure.records import RunDir, collect_env, default_run_path
     from pdlab.recipe import RecipeError, load_recipe
     from pdlab.report.live import LiveView
     from pdlab.serve.topology import ClusterError
@@ -40,18 +56,23 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     except OSError as e:
         return _err(f"--out {path}: cannot create it ({e.strerror})")
 
+    cores, warnings = place_main_process(recipe)
     rd = RunDir(path)
     rd.write_recipe(recipe)
-    rd.write_env()
+    env = collect_env()
+    env.update(main_process_cores=cores, warnings=warnings)
+    rd.write_env(env)
     grid = {v: recipe.rates for v in recipe.variant_names}
-    slo = recipe.slo
     partial, reason, code = False, None, 0
     # SIGTERM ends the run like Ctrl-C does: cleanly, with what was measured.
     old_term = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    view = LiveView(title=f"pdlab run {recipe.name}", slo=slo)
+    view = LiveView(title=f"pdlab run {recipe.name}", slo=None if recipe.slo.relative else recipe.slo)
+    for w in warnings:
+        view.note(f"warning: {w}")
+    harness = Harness(recipe, rd, view, workloads)
     try:
         with view:
-            Harness(recipe, rd, view, workloads).run()
+            harness.run()
     except KeyboardInterrupt:
         partial, reason, code = True, "interrupted (Ctrl-C)", 130
     except (RunAborted, ClusterError) as e:
@@ -60,7 +81,11 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
         signal.signal(signal.SIGTERM, old_term)
         if partial:
             rd.mark_partial(reason)
-        finalize(rd, slo, grid=grid, partial=partial, reason=reason)
+        if harness.slo.relative:  # stopped before the SLO could be resolved: nothing was measured
+            rd.close()
+            rd.write_summary({"partial": True, "reason": reason, "slo": None, "variants": {}})
+        else:
+            finalize(rd, harness.slo, grid=grid, partial=partial, reason=reason, **harness.facts(warnings))
     _print_table(path)
     if partial:
         print(f"run stopped early: {reason}", file=sys.stderr)

@@ -4,24 +4,26 @@ disk, so `summary.json` is by construction what anyone recomputes from requests.
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Optional
 
-from pdlab.measure.metrics import summarize_run
 from pdlab.measure.records import RunDir, load_run
+from pdlab.measure.summary import summarize_run
 from pdlab.measure.trace import build_trace
 from pdlab.recipe.slo import SLO
 
 
-def finalize(rd: RunDir, slo: SLO, grid: Optional[dict[str, list[float]]] = None, partial: bool = False,
-             reason: Optional[str] = None, plots: bool = True) -> dict:
+def finalize(rd: RunDir, slo: SLO, grid: Optional[dict[str, Any]] = None, partial: bool = False,
+             reason: Optional[str] = None, plots: bool = True, **facts: Any) -> dict:
     """Write summary.json (with `partial`/`reason` when cut short), trace.json and the PNG plots.
 
-    `grid`: variant -> planned rates (see summarize_run). Returns the summary. Plot failures are reported
-    on stderr and never lose the summary or the trace.
+    `grid`: variant -> planned rates (see summarize_run); `facts`: what else summarize_run takes (alone,
+    relative, prefill_workers, floors, warnings). Returns the summary. Plot failures are reported on stderr
+    and never lose the summary or the trace.
     """
     rd.close()  # flush and close the record files before reading them back
     run = load_run(rd.path)
-    summary = summarize_run(run.requests, run.steps, run.transfers, slo, grid=grid, partial=partial, reason=reason)
+    summary = summarize_run(run.requests, run.steps, run.transfers, slo, grid=grid, partial=partial, reason=reason,
+                            **facts)
     rd.write_summary(summary)
     rd.write_trace(build_trace(run.requests, run.steps, run.transfers))
     if plots:

@@ -1,4 +1,4 @@
-"""Request records and the metrics of DESIGN.md (Measurement), computed from records only.
+"""Request records and the metrics of one (variant, repeat, rate) (docs/design.md, Metrics), from records only.
 
 Records keep seconds on the router's monotonic clock; summaries report latencies in milliseconds.
 Statistics are mean / p50 / p90 / p99 / max with numpy's default percentile (linear interpolation),
@@ -16,7 +16,7 @@ import numpy as np
 
 from pdlab.constants import MISS_KINDS, STATS
 from pdlab.measure.attribution import PARTS, attribute_gaps, interference_summary, ttft_parts
-from pdlab.measure.slo import SLO, goodput, miss_kind, request_slo
+from pdlab.measure.slo import SLO, miss_kind, request_slo
 
 
 def stats(values: Iterable[float], scale: float = 1.0) -> dict:
@@ -53,19 +53,21 @@ def timings(arrival: float, token_times: list[float]) -> dict:
 def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list[int], output_ids: list[int],
                          arrival: float, token_times: list[float], slo: SLO, error: Optional[str] = None,
                          phases: Optional[dict] = None, workers: Optional[dict] = None, cached_tokens: int = 0,
-                         warmup: bool = False) -> dict:
+                         warmup: bool = False, repeat: int = 0, delivery_lag: Optional[list[float]] = None) -> dict:
     """One requests.jsonl line from what the router collected: raw timestamps in, metrics and SLO verdict out.
 
     `workers`: {"prefill": name, "decode": name} (unified: the same name for both, or {"unified": name}).
-    A request is ok when it has no error and at least one token.
+    A request is ok when it has no error and at least one token. `token_times` are the workers' stamps;
+    `delivery_lag` (seconds per token) is how long each took to reach the router.
     """
     workers = workers or {}
     t = timings(arrival, token_times)
     ok = error is None and len(token_times) > 0
-    rec = {"variant": variant, "rate": rate, "id": id, "prompt_len": len(prompt_ids),
+    rec = {"variant": variant, "rate": rate, "repeat": repeat, "id": id, "prompt_len": len(prompt_ids),
            "output_len": len(output_ids), "cached_tokens": int(cached_tokens or 0), "arrival": arrival,
            "token_times": list(token_times), "ttft": t["ttft"], "e2el": t["e2el"], "tpot": t["tpot"],
-           "itl": t["itl"], "prompt_ids": list(prompt_ids), "output_ids": list(output_ids), "ok": ok,
+           "itl": t["itl"], "worst_gap": max(t["itl"]) if t["itl"] else None,
+           "delivery_lag": list(delivery_lag or []), "prompt_ids": list(prompt_ids), "output_ids": list(output_ids), "ok": ok,
            "error": error}
     rec.update(request_slo(ok, t["ttft"], t["itl"], slo))
     rec["prefill_worker"] = workers.get("prefill", workers.get("unified"))
@@ -76,10 +78,12 @@ def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list
     return rec
 
 
-def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict], slo: SLO) -> dict:
-    """The metrics of one (variant, rate), recomputed from raw fields (arrival, token_times, ok).
+def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict], slo: SLO,
+                   rate: Optional[float] = None) -> dict:
+    """The metrics of one (variant, repeat, rate), recomputed from raw fields (arrival, token_times, ok).
 
     Warm-up records (`warmup: true`) are ignored. Duration runs from the first arrival to the last token.
+    The realised rate is (requests - 1) over the span of their arrivals, beside the nominal `rate`.
     """
     reqs = [r for r in requests if not r.get("warmup")]
     sent = len(reqs)
@@ -91,6 +95,9 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
         per.append(v)
     good = [r for r in per if r["ok"]]
     met = sum(1 for r in per if r["slo_ok"])
+    met_tpot = sum(1 for r in per if r["slo_tpot_ok"])
+    arrivals = sorted(r["arrival"] for r in per)
+    span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
     misses = {k: 0 for k in MISS_KINDS}
     for r in per:
         k = miss_kind(r)
@@ -110,8 +117,10 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
     xfer_ms = [(x["end"] - x["start"]) for x in transfers]
     cached = sum(int(r.get("cached_tokens") or 0) for r in good)
     return {
+        "nominal_rate": rate, "realised_rate": (len(arrivals) - 1) / span if span > 0 else None,
         "sent": sent, "completed": len(good), "failed": sent - len(good),
         "slo_met": met, "attainment": met / sent if sent else None,
+        "attainment_tpot": met_tpot / sent if sent else None,
         "misses": misses,
         "duration_s": duration,
         "slo_met_per_s": per_s(met), "request_throughput": per_s(len(good)),
@@ -121,6 +130,8 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
         "ttft_ms": stats((r["ttft"] for r in good), 1000.0),
         "tpot_ms": stats((r["tpot"] for r in good), 1000.0),
         "itl_ms": stats((g for r in good for g in r["itl"]), 1000.0),
+        "worst_gap_ms": stats((max(r["itl"]) for r in good if r["itl"]), 1000.0),
+        "delivery_lag_ms": stats((x for r in good for x in r.get("delivery_lag") or []), 1000.0),
         "e2el_ms": stats((r["e2el"] for r in good), 1000.0),
         "ttft_parts_ms": {p: stats((x[p] for x in parts), 1000.0) for p in PARTS},
         "interference": interference_summary(gaps, good),
@@ -129,49 +140,3 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
                       "ms": stats(xfer_ms, 1000.0)},
         "steps": len(steps),
     }
-
-
-def _group(records: list[dict]) -> dict[tuple[str, float], list[dict]]:
-    g: dict[tuple[str, float], list[dict]] = defaultdict(list)
-    for r in records:
-        g[(r["variant"], as_rate(r["rate"]))].append(r)
-    return g
-
-
-def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict], slo: SLO,
-                  grid: Optional[dict[str, list[float]]] = None, partial: bool = False,
-                  reason: Optional[str] = None) -> dict:
-    """summary.json: per variant and rate the metrics; per variant goodput with its rate grid.
-
-    `grid` (variant -> rates, in run order) lists what was planned, so a rate cut short still shows up;
-    by default the (variant, rate) pairs found in the records are used. Rates are keyed by their text
-    ("2", "0.5", "inf"). The saturation block is the `inf` rate's throughput when it was measured.
-    """
-    from pdlab.workload import rate_tag
-
-    rq, st, tr = _group(requests), _group(steps), _group(transfers)
-    if grid is None:
-        grid = {}
-        for v, r in rq:
-            grid.setdefault(v, [])
-            if r not in grid[v]:
-                grid[v].append(r)
-    variants: dict[str, Any] = {}
-    for v, rates in grid.items():
-        per_rate = {}
-        for rate in rates:
-            rate = as_rate(rate)
-            if (v, rate) not in rq:
-                continue
-            s = summarize_rate(rq[(v, rate)], st.get((v, rate), []), tr.get((v, rate), []), slo)
-            per_rate[rate_tag(rate)] = {"rate": rate_tag(rate) if math.isinf(rate) else rate, **s}
-        points = [(as_rate(x["rate"]), x["attainment"]) for x in per_rate.values() if x["attainment"] is not None]
-        sat = per_rate.get("inf")
-        variants[v] = {
-            "rates": per_rate,
-            "goodput": goodput(points, slo.attainment),
-            "saturation": None if sat is None else {k: sat[k] for k in ("output_tok_s", "total_tok_s",
-                                                                          "request_throughput", "duration_s")},
-        }
-    return {"slo": slo.to_raw(), "percentiles": "numpy linear interpolation", "latency_unit": "ms",
-            "partial": bool(partial), "reason": reason, "variants": variants}

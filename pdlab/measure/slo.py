@@ -1,4 +1,4 @@
-"""Per-request SLO, misses by kind, and goodput over a rate grid (DESIGN.md, Measurement).
+"""Per-request SLO and misses by kind (docs/design.md, Metrics); goodput is in pdlab.measure.search.
 
 Percentiles everywhere are numpy's default (linear interpolation between closest ranks), the same as
 `vllm bench serve`.
@@ -6,15 +6,14 @@ Percentiles everywhere are numpy's default (linear interpolation between closest
 
 from __future__ import annotations
 
-import math
-from typing import Iterable, Optional
+from typing import Optional
 
 import numpy as np
 
 from pdlab.constants import MISS_KINDS, STATS
 from pdlab.recipe.slo import SLO
 
-__all__ = ["MISS_KINDS", "SLO", "itl_value", "request_slo", "miss_kind", "goodput"]
+__all__ = ["MISS_KINDS", "SLO", "itl_value", "request_slo", "miss_kind"]
 
 
 def itl_value(gaps: list[float], stat: str) -> Optional[float]:
@@ -35,11 +34,17 @@ def itl_value(gaps: list[float], stat: str) -> Optional[float]:
 
 def request_slo(ok: bool, ttft: Optional[float], gaps: list[float], slo: SLO) -> dict:
     """SLO verdict of one request. A failed request meets nothing. A request with one output token has
-    no gaps: its ITL is met by definition (there was nothing to wait for after the first token)."""
+    no gaps: its ITL is met by definition (there was nothing to wait for after the first token).
+
+    `slo_tpot_ok` is the verdict with TPOT (the mean gap) in place of the declared statistic: the
+    definition DistServe and `vllm bench serve --goodput` use, reported beside pdlab's own."""
     value = itl_value(gaps, slo.itl_stat)
     ttft_ok = bool(ok and ttft is not None and ttft * 1000.0 <= slo.ttft_ms)
     itl_ok = bool(ok and (value is None or value * 1000.0 <= slo.itl_ms))
-    return {"slo_ttft_ok": ttft_ok, "slo_itl_ok": itl_ok, "slo_ok": ttft_ok and itl_ok, "slo_itl_value": value}
+    tpot = itl_value(gaps, "mean")
+    tpot_ok = bool(ttft_ok and (tpot is None or tpot * 1000.0 <= slo.itl_ms))
+    return {"slo_ttft_ok": ttft_ok, "slo_itl_ok": itl_ok, "slo_ok": ttft_ok and itl_ok, "slo_itl_value": value,
+            "slo_tpot_ok": tpot_ok}
 
 
 def miss_kind(rec: dict) -> Optional[str]:
@@ -52,35 +57,3 @@ def miss_kind(rec: dict) -> Optional[str]:
     if not t and not i:
         return "both"
     return "itl_only" if t else "ttft_only"
-
-
-def goodput(points: Iterable[tuple[float, float]], target: float) -> dict:
-    """Goodput: the highest request rate whose SLO attainment is >= target.
-
-    `points` are (rate, attainment). Rules, all visible in the result:
-    - inf (all-at-once) is the saturation point, not a rate on the grid: it is left out;
-    - the highest passing rate r_j is taken (if attainment is not monotonic, `monotonic` is false);
-      if a higher rate r_j+1 fails, goodput is interpolated linearly where attainment crosses the target:
-      r_j + (a_j - target) / (a_j - a_j+1) * (r_j+1 - r_j);
-    - every rate passes: goodput = the highest rate, `lower_bound` true (the real value is higher);
-    - no rate passes: goodput = 0.0, `below_grid` true (no extrapolation below the lowest rate).
-    """
-    grid = sorted((float(r), float(a)) for r, a in points if not math.isinf(float(r)))
-    out = {"goodput": 0.0, "target": target, "grid": [{"rate": r, "attainment": a} for r, a in grid],
-           "lower_bound": False, "below_grid": False, "monotonic": True}
-    if not grid:
-        out["goodput"] = None
-        return out
-    atts = [a for _, a in grid]
-    out["monotonic"] = all(x >= y for x, y in zip(atts, atts[1:]))
-    passing = [j for j, (_, a) in enumerate(grid) if a >= target]
-    if not passing:
-        out["below_grid"] = True
-        return out
-    j = passing[-1]
-    if j == len(grid) - 1:
-        out["goodput"], out["lower_bound"] = grid[j][0], True
-        return out
-    (r0, a0), (r1, a1) = grid[j], grid[j + 1]
-    out["goodput"] = r0 + (a0 - target) / (a0 - a1) * (r1 - r0)
-    return out

@@ -16,21 +16,24 @@ import copy
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import yaml
 
 from pdlab.engine.config import EngineConfig
-from pdlab.fields import RecipeError, Section, check_keys, did_you_mean, key_of, plain, spec, to_int, to_text
+from pdlab.fields import (RecipeError, Section, check_keys, did_you_mean, key_of, plain, section, spec, to_float,
+                          to_int, to_text)
 from pdlab.recipe.deployment import Deployment
 from pdlab.recipe.model import ModelSpec
-from pdlab.recipe.slo import SLO
+from pdlab.recipe.slo import DEFAULT_ITL_MS, DEFAULT_TTFT_MS, SLO
 from pdlab.recipe.workload import WorkloadSpec
 
 VARIANT_KEYS = ("deployment", "engine", "model", "description")
-TOP_KEYS = ("name", "description", "seed", "warmup", "model", "engine", "workload", "rates", "slo", "deployment",
-            "variants")
-RATES_FORM = "a list of request rates > 0 (req/s), inf for all-at-once, e.g. [1, 2, 4, .inf]"
+TOP_KEYS = ("name", "description", "seed", "warmup", "model", "engine", "workload", "rates", "search", "repeats",
+            "slo", "deployment", "variants")
+RATES_FORM = ("auto (goodput found by search) or a list of request rates > 0 (req/s), inf for all-at-once, "
+              "e.g. [1, 2, 4, .inf]")
+AUTO = "auto"
 
 
 def deep_merge(base: dict, over: dict) -> dict:
@@ -85,7 +88,9 @@ def apply_set(raw: dict, assignment: str) -> None:
     node[parts[-1]] = value
 
 
-def parse_rates(v: Any, where: str) -> tuple[float, ...]:
+def parse_rates(v: Any, where: str) -> Union[str, tuple[float, ...]]:
+    if v == AUTO:
+        return AUTO
     if not isinstance(v, list) or not v:
         raise RecipeError(f"{where}: expected {RATES_FORM}, got {v!r}")
     out: list[float] = []
@@ -100,17 +105,32 @@ def parse_rates(v: Any, where: str) -> tuple[float, ...]:
     return tuple(out)
 
 
+@dataclass(frozen=True)
+class SearchSpec(Section):
+    """How `rates: auto` looks for goodput (pdlab.measure.search.RateSearch)."""
+
+    max_trials: int = spec(6, "an integer >= 1 (rates measured per variant and repeat, saturation not counted)",
+                           to_int(1))
+    rel_tol: float = spec(0.15, "a fraction in (0, 1) (stop when the bracket is this narrow, relative)",
+                          to_float(0.0, 0.999))
+    start: float = spec(0.5, "a fraction in (0, 1] (first rate, of the saturation request rate)",
+                        to_float(0.0, 1.0))
+
+
 @dataclass(frozen=True, kw_only=True)
 class Shared(Section):
     """What every variant of a recipe shares: the workload, the rates, the SLO, the seeds."""
 
     name: Optional[str] = spec(None, "a string")
     description: str = spec("", "a string", to_text)
-    seed: int = spec(0, "an integer >= 0", to_int(0))
+    seed: int = spec(0, "an integer >= 0 (repeat i uses seed + i)", to_int(0))
     warmup: int = spec(2, "an integer >= 0 (requests per rate sent before measuring)", to_int(0))
-    workload: WorkloadSpec = spec(WorkloadSpec(), parse=lambda v, k: WorkloadSpec.from_raw(v, k))
-    rates: tuple[float, ...] = spec(expected=RATES_FORM, parse=parse_rates)
-    slo: SLO = spec(SLO(), parse=lambda v, k: SLO.from_raw(v, k))
+    workload: WorkloadSpec = spec(WorkloadSpec(), parse=section(WorkloadSpec))
+    rates: Union[str, tuple[float, ...]] = spec(expected=RATES_FORM, parse=parse_rates)
+    search: SearchSpec = spec(SearchSpec(), parse=section(SearchSpec))
+    repeats: int = spec(1, "an integer >= 1 (seeded repeats of every measurement, for confidence intervals)",
+                        to_int(1))
+    slo: SLO = spec(SLO(ttft_ms=DEFAULT_TTFT_MS, itl_ms=DEFAULT_ITL_MS), parse=section(SLO))
 
 
 @dataclass(frozen=True)
@@ -125,9 +145,20 @@ class Variant:
     model: ModelSpec
     engine: EngineConfig
     workload: WorkloadSpec
-    rates: tuple[float, ...]
+    rates: Union[str, tuple[float, ...]]  # "auto" or the grid
+    search: SearchSpec
+    repeats: int
     slo: SLO
     deployment: Deployment
+
+    @property
+    def auto(self) -> bool:
+        """Goodput found by search (rates: auto) rather than on a grid."""
+        return self.rates == AUTO
+
+    def seeds(self) -> list[int]:
+        """One seed per repeat; the same for every variant."""
+        return [self.seed + i for i in range(self.repeats)]
 
 
 @dataclass(frozen=True)
@@ -147,8 +178,8 @@ class Recipe:
         return self.shared.seed
 
     @property
-    def rates(self) -> list[float]:
-        return list(self.shared.rates)
+    def rates(self) -> Union[str, list[float]]:
+        return AUTO if self.shared.rates == AUTO else list(self.shared.rates)
 
     @property
     def slo(self) -> SLO:
@@ -192,7 +223,8 @@ def _resolve(raw: dict, shared: Shared, over: dict, name: str, recipe: str) -> V
         model_spec = model_spec.replace(dtype="bfloat16" if deployment.device_kind == "cuda" else "float32")
     return Variant(recipe=recipe, name=name, description=str(over.get("description", shared.description)),
                    seed=shared.seed, warmup=shared.warmup, model=model_spec, engine=engine_cfg,
-                   workload=shared.workload, rates=shared.rates, slo=shared.slo, deployment=deployment)
+                   workload=shared.workload, rates=shared.rates, search=shared.search, repeats=shared.repeats,
+                   slo=shared.slo, deployment=deployment)
 
 
 def parse_recipe(raw: Any, name: str = "recipe", sets: Optional[list[str]] = None,

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdlab.constants import ARRIVAL_KINDS, LENGTH_KINDS
-from pdlab.fields import (RecipeError, Section, as_mapping, key_of, optional, section, spec, to_float, to_int,
-                          to_str)
+from pdlab.fields import (RecipeError, Section, as_mapping, key_of, optional, section, spec, to_bool, to_float,
+                          to_int, to_str)
 
 LENGTH_FORMS = "{kind: fixed, value: N}, {kind: uniform, min: A, max: B} or {kind: dataset}"
 _LENGTH_KEYS = {"fixed": ("value",), "uniform": ("min", "max"), "dataset": ()}
@@ -58,6 +58,8 @@ class ArrivalSpec(Section):
     kind: str = spec("poisson", f"{{kind: {'|'.join(ARRIVAL_KINDS)}}}")
     burstiness: float = spec(1.0, _ARRIVAL_KEYS["gamma"]["burstiness"], to_float(0.0))  # gamma shape
     size: int = spec(8, _ARRIVAL_KEYS["burst"]["size"], to_int(1))  # burst: requests per burst
+    # scale the drawn gaps so the realised mean rate equals the nominal one, as `vllm bench serve` does
+    rescale: bool = spec(True, "true or false (scale gaps so the realised mean rate is the nominal rate)", to_bool)
 
     @classmethod
     def from_raw(cls, raw: Any, where: str) -> "ArrivalSpec":
@@ -66,12 +68,13 @@ class ArrivalSpec(Section):
             raise RecipeError(f"{where}: expected {{kind: {'|'.join(ARRIVAL_KINDS)}}}, got {raw!r}")
         own = _ARRIVAL_KEYS.get(raw["kind"], {})
         for k in raw:
-            if k != "kind" and k not in own:
+            if k not in ("kind", "rescale") and k not in own:
                 raise RecipeError(f"{where}.{k}: not used by arrival kind {raw['kind']}")
         return super().from_raw(raw, where)
 
     def to_raw(self) -> dict:
-        return {"kind": self.kind, **{k: getattr(self, k) for k in _ARRIVAL_KEYS.get(self.kind, {})}}
+        return {"kind": self.kind, **{k: getattr(self, k) for k in _ARRIVAL_KEYS.get(self.kind, {})},
+                "rescale": self.rescale}
 
 
 @dataclass(frozen=True)

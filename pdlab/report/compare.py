@@ -1,10 +1,15 @@
-"""`pdlab compare`: runs side by side, in the shape of published PD results.
+"""`pdlab compare`: runs side by side, in the shape of published PD results, readable at 100 columns.
 
-One row per (run, variant): configuration, SLO-met requests / sent at each rate, goodput and goodput
-relative to a baseline variant, output tok/s at saturation (the `inf` rate; the highest rate when the
-grid has none, marked), TTFT and ITL p50/p99 at the *focus rate* (the highest finite rate every row
-measured: where the variants differ most), misses by kind and prefill interruptions summed over the
-finite rates (the saturation point is left out: there every request queues by construction).
+One row per (run, variant). The headline table: goodput (mean ± 95% interval over repeats, ≥ when the
+rates tried never failed), goodput relative to a baseline variant, the TPOT-based goodput, and output
+tok/s at saturation. The latency table: TTFT and ITL p50/p99 and each request's worst gap (median over
+requests) at one rate per row (on a grid the *focus rate*: the highest rate every row measured at which
+every row's median TTFT still meets the TTFT target, i.e. before queues run away; `--rate` picks another;
+with a rate search, each row's own goodput, its last passing rate), misses by kind and prefill
+interruptions summed over the finite rates. Then attainment per rate (grid) or the rates each search tried.
+
+Runs are compared only when they share the SLO and the workload: anything else would judge unrelated
+numbers against each other.
 """
 
 from __future__ import annotations
@@ -13,10 +18,16 @@ import math
 import sys
 from typing import Any, Optional
 
-from pdlab.measure.metrics import as_rate, summarize_run
+from pdlab.constants import MISS_KINDS
+from pdlab.measure.confidence import Estimate, format_estimate
+from pdlab.measure.metrics import as_rate
 from pdlab.measure.records import Run
+from pdlab.measure.summary import summarize_run
 from pdlab.recipe.slo import SLO
+from pdlab.report.verdict import Row, verdict
 from pdlab.workload import rate_tag
+
+WIDTH = 100
 
 
 def describe_deployment(dep: Optional[dict]) -> str:
@@ -34,73 +45,80 @@ def describe_deployment(dep: Optional[dict]) -> str:
 
 def _summary(run: Run) -> dict:
     s = run.summary
-    if s.get("variants"):
+    if s.get("variants") and "goodput" in next(iter(s["variants"].values())):
         return s
     slo = s.get("slo") or run.recipe.get("slo")  # summary missing (run cut short): recompute from records
-    if not slo or not run.requests:
-        return {"variants": {}, "partial": True}
+    if not slo or not run.requests or slo.get("ttft_ms") is None:
+        return {"variants": {}, "partial": True, "slo": slo, "reason": s.get("reason")}
     return summarize_run(run.requests, run.steps, run.transfers, SLO.from_raw(slo, "slo"), partial=True,
                          reason=s.get("reason", "summary recomputed from records"))
 
 
-def rows_of(runs: list[Run]) -> list[dict]:
+def _est(d: Optional[dict]) -> Estimate:
+    return Estimate.from_dict(d) if d else Estimate(None, None, None, 0, ())
+
+
+def _check_comparable(runs: list[Run]) -> None:
+    """One line and a refusal when the runs were judged by different SLOs or fed different workloads."""
+    first = runs[0]
+    for run in runs[1:]:
+        for what, a, b in (("SLO", _summary(first).get("slo"), _summary(run).get("slo")),
+                           ("workload", first.recipe.get("workload"), run.recipe.get("workload")),
+                           ("seed", first.recipe.get("seed"), run.recipe.get("seed"))):
+            if a != b:
+                raise ValueError(f"cannot compare {first.name} with {run.name}: different {what} "
+                                 f"({a} vs {b}); compare runs of one recipe, or rerun with the same {what}")
+
+
+def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
     rows = []
     for run in runs:
         s = _summary(run)
         for v, vs in s["variants"].items():
             dep = ((run.recipe.get("variants") or {}).get(v) or {}).get("deployment")
-            label = v if len(runs) == 1 else f"{run.name}/{v}"
-            rates = {tag: x for tag, x in vs["rates"].items()}
-            finite = [x for t, x in rates.items() if t != "inf"]
-            misses = {k: sum(x["misses"][k] for x in finite) for k in ("ttft_only", "itl_only", "both", "failed")}
-            sat = rates.get("inf")
-            sat_note = "inf"
-            if sat is None and finite:
-                sat = max(finite, key=lambda x: as_rate(x["rate"]))
-                sat_note = rate_tag(as_rate(sat["rate"]))
+            finite = [x for t, x in vs["rates"].items() if t != "inf"]
+            misses = {k: sum(x["misses"][k] for x in finite) for k in MISS_KINDS}
+            g = vs["goodput"]
             rows.append({
-                "label": label, "run": run.path, "variant": v, "config": describe_deployment(dep),
-                "kind": (dep or {}).get("kind", "?"),  # recipe.yaml records it
-                "partial": bool(s.get("partial")), "slo": s.get("slo"),
-                "met": {t: [x["slo_met"], x["sent"]] for t, x in rates.items()},
-                "goodput": vs["goodput"]["goodput"], "goodput_lower_bound": vs["goodput"]["lower_bound"],
-                "output_tok_s": sat["output_tok_s"] if sat else None, "output_tok_s_at": sat_note,
-                "misses": misses, "itl_misses": misses["itl_only"] + misses["both"],
-                "ttft_misses": misses["ttft_only"] + misses["both"],
+                "label": v if len(runs) == 1 else f"{run.name}/{v}", "run": run.path, "variant": v,
+                "config": describe_deployment(dep), "kind": (dep or {}).get("kind", "?"),
+                "ran": bool(vs.get("ran", True)), "partial": bool(s.get("partial")), "slo": s.get("slo"),
+                "goodput": g, "goodput_tpot": vs["goodput_tpot"],
+                "saturation_tok_s": (vs.get("saturation") or {}).get("output_tok_s"),
+                "met": {t: [x["slo_met"], x["sent"]] for t, x in vs["rates"].items()},
+                "attainment": {t: x["over_repeats"]["attainment"] for t, x in vs["rates"].items()},
+                "trials": [[t["rate"] for t in rep["goodput"]["trials"]] for rep in vs.get("repeats", [])],
+                "misses": misses, "sent": sum(x["sent"] for x in finite),
+                "itl_misses": misses["itl_only"] + misses["both"], "ttft_misses": misses["ttft_only"] + misses["both"],
                 "prefill_interruptions": sum(x["interference"]["prefill_interruptions"] for x in finite),
-                "_rates": rates,
+                "_vs": vs,
             })
     return rows
 
 
-def _pct(new: Optional[float], old: Optional[float]) -> Optional[float]:
-    return None if new is None or not old else (new - old) / old
+def _focus(rows: list[dict], slo: Optional[dict]) -> Optional[str]:
+    """The highest rate every row measured at which every row's median TTFT meets the TTFT target."""
+    common = [t for t in sorted({t for r in rows for t in r["met"]}, key=as_rate)
+              if t != "inf" and all(t in r["met"] for r in rows)]
+    if not common:
+        return None
+    target = (slo or {}).get("ttft_ms") or math.inf
+    calm = [t for t in common if all((r["_vs"]["rates"][t]["ttft_ms"]["p50"] or math.inf) <= target for r in rows)]
+    return (calm or common[:1])[-1]
 
 
-def verdict(base: dict, row: dict) -> str:
-    """One sentence from the numbers: what the candidate bought against the baseline."""
-    thr = _pct(row["output_tok_s"], base["output_tok_s"])
-    thr_s = "throughput n/a" if thr is None else f"throughput {thr * 100:+.0f}%".replace("-", "−")
-    g = row["relative_goodput"]
-    g_s = "goodput n/a" if g is None else f"goodput {g:.2f}×"
-    nums = (f"ITL misses {base['itl_misses']} → {row['itl_misses']}, "
-            f"TTFT misses {base['ttft_misses']} → {row['ttft_misses']}, {thr_s}, {g_s}")
-    head = f"{row['label']} vs {base['label']}: "
-    if base["itl_misses"] == 0 and base["prefill_interruptions"] == 0:
-        return head + f"no ITL problem at these rates: the unified engine is enough ({nums})"
-    better = g is not None and g > 1.05
-    if row["itl_misses"] < base["itl_misses"] and better:
-        what = "predictability and capacity" if thr is not None and thr > 0.05 else "predictability, not capacity"
-        who = "disaggregation" if row["kind"] == "disagg" else row["variant"]
-        moved = "; the bottleneck moved to TTFT" if row["ttft_misses"] > base["ttft_misses"] else ""
-        return head + f"{nums}: {who} bought {what}{moved}"
-    if row["itl_misses"] < base["itl_misses"]:
-        return head + f"{nums}: fewer ITL misses, but no goodput gain at this SLO"
-    return head + f"{nums}: no gain over the baseline here"
+def _latencies(vs: dict, tag: Optional[str], search: bool) -> Optional[dict]:
+    if search:
+        a = vs.get("at_goodput")
+        return None if not a else {k: a[k] for k in a if k.endswith("_ms")} | {"at": a["rates"]}
+    x = vs["rates"].get(tag) if tag else None
+    return None if x is None else {k: v for k, v in x["over_repeats"].items() if k.endswith("_ms")} | {"at": [tag]}
 
 
-def compare(runs: list[Run], baseline: Optional[str] = None) -> dict:
-    """The comparison as plain data (what --json prints). Raises ValueError for an unknown baseline."""
+def compare(runs: list[Run], baseline: Optional[str] = None, rate: Optional[float] = None) -> dict:
+    """The comparison as plain data (what --json prints). Raises ValueError for runs that cannot be compared
+    or an unknown baseline."""
+    _check_comparable(runs)
     rows = rows_of(runs)
     if not rows:
         raise ValueError("no variants with results in these runs")
@@ -110,52 +128,85 @@ def compare(runs: list[Run], baseline: Optional[str] = None) -> dict:
             raise ValueError(f"baseline {baseline!r} not found; rows are: {', '.join(r['label'] for r in rows)}")
         base = match[0]
     else:
-        base = next((r for r in rows if r["kind"] == "unified"), rows[0])
-    tags = sorted({t for r in rows for t in r["met"]}, key=as_rate)
-    common = [t for t in tags if t != "inf" and all(t in r["met"] for r in rows)]
-    focus = common[-1] if common else None
+        base = next((r for r in rows if r["kind"] == "unified" and r["ran"]), rows[0])
+    search = all(r["_vs"].get("mode") == "search" for r in rows)
+    focus = None if search else (rate_tag(rate) if rate is not None else _focus([r for r in rows if r["ran"]],
+                                                                                base["slo"]))
     for r in rows:
-        r["relative_goodput"] = (r["goodput"] / base["goodput"]) if r["goodput"] is not None and base["goodput"] else None
-        x = r.pop("_rates").get(focus) if focus else None
-        r["focus"] = None if x is None else {"ttft_ms": {k: x["ttft_ms"][k] for k in ("p50", "p99")},
-                                             "itl_ms": {k: x["itl_ms"][k] for k in ("p50", "p99")}}
-    return {"baseline": base["label"], "rates": tags, "focus_rate": focus, "slo": base["slo"], "rows": rows,
-            "verdict": [verdict(base, r) for r in rows if r is not base]}
+        bm, rm = base["goodput"]["mean"], r["goodput"]["mean"]
+        r["relative_goodput"] = rm / bm if rm is not None and bm else None
+        r["latencies"] = _latencies(r.pop("_vs"), focus, search)
+    verdicts = [verdict(_row(base), _row(r)) for r in rows if r is not base]
+    return {"baseline": base["label"], "mode": "search" if search else "grid", "focus_rate": focus,
+            "rates": sorted({t for r in rows for t in r["met"]}, key=as_rate), "slo": base["slo"], "rows": rows,
+            "verdict": verdicts}
+
+
+def _row(r: dict) -> Row:
+    return Row(r["label"], r["kind"], r["ran"], r["partial"], _est(r["goodput"]), bool(r["goodput"].get("open_above")),
+               bool(r["goodput"].get("open_below")), r["itl_misses"], r["ttft_misses"], r["prefill_interruptions"],
+               _est(r["saturation_tok_s"]) if r["saturation_tok_s"] else None)
 
 
 def _f(x: Optional[float], fmt: str = "{:.0f}") -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
 
 
+def _pair(lat: Optional[dict], kind: str) -> str:
+    if not lat:
+        return "—"
+    return f"{_f(lat[f'{kind}_p50_ms']['mean'])}/{_f(lat[f'{kind}_p99_ms']['mean'])}"
+
+
 def render(result: dict, console: Any = None) -> None:
-    """Print the comparison table and verdict with rich."""
+    """Print the comparison with rich, in tables that read at 100 columns."""
+    from rich import box
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
-    # Off a terminal (pipes, CI logs) rich would squeeze the table into 80 columns: give it room.
-    console = console or Console(width=None if sys.stdout.isatty() else 200)
+    console = console or Console(width=None if sys.stdout.isatty() else WIDTH)
     slo = result["slo"] or {}
-    title = (f"SLO: TTFT ≤ {_f(slo.get('ttft_ms'))} ms, ITL {slo.get('itl_stat', '?')} ≤ {_f(slo.get('itl_ms'))} ms, "
-             f"attainment ≥ {_f((slo.get('attainment') or 0) * 100)}%   ·   latencies at {result['focus_rate']} req/s   "
-             f"·   baseline {result['baseline']}")
-    t = Table(title=title, title_justify="left")
-    t.add_column("configuration")
-    for tag in result["rates"]:
-        t.add_column(f"met @{tag}", justify="right")
-    for name in ("goodput", "rel.", "out tok/s sat", "TTFT p50/p99", "ITL p50/p99", "misses ttft/itl/both/fail",
-                 "prefill intr."):
-        t.add_column(name, justify="right")
+    console.print(f"SLO per request: TTFT ≤ {_f(slo.get('ttft_ms'))} ms and ITL {slo.get('itl_stat', '?')} ≤ "
+                  f"{_f(slo.get('itl_ms'))} ms; goodput = highest rate with ≥ {_f((slo.get('attainment') or 0) * 100)}% "
+                  f"of requests meeting both · baseline {result['baseline']}")
+    t = Table(box=box.SIMPLE_HEAD, title="goodput (req/s, mean ± 95% interval over repeats)", title_justify="left")
+    for name, just in (("configuration", "left"), ("goodput", "right"), ("rel.", "right"), ("TPOT goodput", "right"),
+                       ("out tok/s @sat", "right")):
+        t.add_column(name, justify=just)
     for r in result["rows"]:
-        met = [f"{r['met'][tag][0]}/{r['met'][tag][1]}" if tag in r["met"] else "—" for tag in result["rates"]]
-        m = r["misses"]
-        fo = r["focus"] or {"ttft_ms": {"p50": None, "p99": None}, "itl_ms": {"p50": None, "p99": None}}
-        sat = _f(r["output_tok_s"], "{:.1f}") + ("" if r["output_tok_s_at"] == "inf" else f" (@{r['output_tok_s_at']})")
-        t.add_row(
-            f"[bold]{r['label']}[/bold]{' (partial)' if r['partial'] else ''}\n{r['config']}", *met,
-            ("≥" if r["goodput_lower_bound"] else "") + _f(r["goodput"], "{:.2f}"),
-            _f(r["relative_goodput"], "{:.2f}×"), sat,
-            f"{_f(fo['ttft_ms']['p50'])}/{_f(fo['ttft_ms']['p99'])}", f"{_f(fo['itl_ms']['p50'])}/{_f(fo['itl_ms']['p99'])}",
-            f"{m['ttft_only']}/{m['itl_only']}/{m['both']}/{m['failed']}", str(r["prefill_interruptions"]))
+        g, gt = r["goodput"], r["goodput_tpot"]
+        state = "" if r["ran"] and not r["partial"] else (" (not run)" if not r["ran"] else " (partial)")
+        t.add_row(f"[bold]{escape(r['label'])}[/bold]{state}\n{escape(r['config'])}",
+                  ("≥ " if g.get("open_above") else "") + format_estimate(_est(g)),
+                  _f(r["relative_goodput"], "{:.2f}×"),
+                  ("≥ " if gt.get("open_above") else "") + format_estimate(_est(gt)),
+                  format_estimate(_est(r["saturation_tok_s"]), "{:.0f}") if r["saturation_tok_s"] else "—")
     console.print(t)
+    where = "at each row's goodput" if result["mode"] == "search" else f"at {result['focus_rate']} req/s"
+    lt = Table(box=box.SIMPLE_HEAD, title=f"latency (ms, {where}; worst gap: each request's longest, median) and "
+                                          "misses (finite rates)", title_justify="left")
+    for name in ("variant", "TTFT p50/p99", "ITL p50/p99", "worst gap", "misses ttft/itl/both/fail", "prefill intr."):
+        lt.add_column(name, justify="left" if name == "variant" else "right")
+    for r in result["rows"]:
+        lat, m = r["latencies"], r["misses"]
+        lt.add_row(escape(r["label"]), _pair(lat, "ttft"), _pair(lat, "itl"),
+                   _f(lat["worst_gap_p50_ms"]["mean"]) if lat else "—",
+                   f"{m['ttft_only']}/{m['itl_only']}/{m['both']}/{m['failed']} of {r['sent']}",
+                   str(r["prefill_interruptions"]))
+    console.print(lt)
+    if result["mode"] == "search":
+        for r in result["rows"]:
+            tried = "; ".join(", ".join(f"{x:g}" for x in t) for t in r["trials"]) or "—"
+            console.print(f"  {escape(r['label'])}: rates tried per repeat: {tried}")
+    else:
+        at = Table(box=box.SIMPLE_HEAD, title="SLO met / sent by rate (all repeats)", title_justify="left")
+        at.add_column("variant")
+        for tag in result["rates"]:
+            at.add_column(f"@{tag}", justify="right")
+        for r in result["rows"]:
+            at.add_row(escape(r["label"]), *[f"{r['met'][tag][0]}/{r['met'][tag][1]}" if tag in r["met"] else "—"
+                                     for tag in result["rates"]])
+        console.print(at)
     for line in result["verdict"]:
-        console.print(f"• {line}")
+        console.print(f"• {escape(line)}")

@@ -5,9 +5,10 @@ elsewhere (CI, pipes) it prints a plain progress line every few seconds and when
 Feed it from the run loop:
 
     view = LiveView(slo=recipe_slo)
-    view.plan("unified", 2.0, total=60)
+    view.plan("unified", 2.0, total=60)               # repeat=i for repeats after the first
     with view:
-        view.update_worker("unified-0", role="unified", devices="cpu:0", running=3, waiting=1,
+        view.status("unified: warming up for 2 req/s")
+        view.update_worker("unified0", role="unified", devices="cpu:0", running=3, waiting=1,
                            kv_used=40, kv_total=512, steps=1234)
         view.update_requests("unified", 2.0, sent=10, records=[finished request records])
 """
@@ -66,16 +67,29 @@ class LiveView:
         self.console = console
         self.line_interval_s = line_interval_s
         self.workers: dict[str, _Worker] = {}
-        self.progress: dict[tuple[str, float], _Progress] = {}
+        self.progress: dict[tuple[str, float, int], _Progress] = {}
         self.notes: list[str] = []
+        self.state = "starting"  # what the run is doing now: loading workers, warming up, measuring
         self._lock = threading.Lock()
         self._live: Any = None
         self._last_line = float("-inf")  # the first update prints at once
 
     # feeding -----------------------------------------------------------------------------------------
-    def plan(self, variant: str, rate: float, total: int) -> None:
+    def plan(self, variant: str, rate: float, total: int, repeat: int = 0) -> None:
         with self._lock:
-            self.progress.setdefault((variant, rate), _Progress()).total = total
+            self.progress.setdefault((variant, rate, repeat), _Progress()).total = total
+
+    def status(self, text: str) -> None:
+        """What the run is doing now (starting workers, calibrating, warming up, measuring)."""
+        with self._lock:
+            self.state = text
+        if not self.live:
+            print(text, file=self.out, flush=True)
+
+    def set_slo(self, slo: SLO) -> None:
+        """The SLO once resolved (a relative SLO is known only after calibration)."""
+        with self._lock:
+            self.slo = slo
 
     def update_worker(self, name: str, role: Optional[str] = None, devices: Optional[str] = None,
                       running: Optional[int] = None, waiting: Optional[int] = None, kv_used: Optional[int] = None,
@@ -99,10 +113,10 @@ class LiveView:
             self.workers.clear()
 
     def update_requests(self, variant: str, rate: float, sent: Optional[int] = None,
-                        records: Optional[list[dict]] = None) -> None:
+                        records: Optional[list[dict]] = None, repeat: int = 0) -> None:
         """`sent`: requests sent so far at this rate; `records`: newly finished request records."""
         with self._lock:
-            p = self.progress.setdefault((variant, rate), _Progress())
+            p = self.progress.setdefault((variant, rate, repeat), _Progress())
             if sent is not None:
                 p.sent = sent
             for r in records or []:
@@ -115,7 +129,7 @@ class LiveView:
                 p.itl.extend(r.get("itl") or [])
             finished = p.total and p.done >= p.total
         if not self.live:
-            self._maybe_line(variant, rate, force=bool(finished))
+            self._maybe_line(variant, rate, repeat, force=bool(finished))
 
     def note(self, text: str) -> None:
         with self._lock:
@@ -124,19 +138,20 @@ class LiveView:
             print(text, file=self.out, flush=True)
 
     # output ------------------------------------------------------------------------------------------
-    def line(self, variant: str, rate: float) -> str:
-        p = self.progress[(variant, rate)]
+    def line(self, variant: str, rate: float, repeat: int = 0) -> str:
+        p = self.progress[(variant, rate, repeat)]
         att = f"{100 * p.met / p.done:.0f}%" if p.done else "—"
-        return (f"[{variant} @ {_rate(rate)} req/s] {p.done}/{p.total or '?'} done ({p.sent} sent)  "
+        rep = f" #{repeat + 1}" if repeat else ""
+        return (f"[{variant} @ {_rate(rate)} req/s{rep}] {p.done}/{p.total or '?'} done ({p.sent} sent)  "
                 f"TTFT p50/p99 {_p(p.ttft, 50)}/{_p(p.ttft, 99)} ms  ITL p50/p99 {_p(p.itl, 50)}/{_p(p.itl, 99)} ms  "
                 f"SLO {att}")
 
-    def _maybe_line(self, variant: str, rate: float, force: bool) -> None:
+    def _maybe_line(self, variant: str, rate: float, repeat: int, force: bool) -> None:
         now = time.monotonic()
         if force or now - self._last_line >= self.line_interval_s:
             self._last_line = now
             with self._lock:
-                text = self.line(variant, rate)
+                text = self.line(variant, rate, repeat)
             print(text, file=self.out, flush=True)
 
     def render(self) -> Any:
@@ -151,16 +166,17 @@ class LiveView:
                 kv = f"{100 * w.kv_used / w.kv_total:.0f}%" if w.kv_used is not None and w.kv_total else "—"
                 wt.add_row(w.name, w.role, w.devices, str(w.running), str(w.waiting), kv, f"{w.steps_per_s:.1f}")
             slo = self.slo
-            head = (f"SLO: TTFT ≤ {slo.ttft_ms:g} ms, ITL {slo.itl_stat} ≤ {slo.itl_ms:g} ms" if slo else "")
+            head = (f"SLO (per request): TTFT ≤ {slo.ttft_ms:.0f} ms and ITL {slo.itl_stat} ≤ {slo.itl_ms:.0f} ms"
+                    if slo and not slo.relative else "SLO: relative, resolved after calibration")
             pt = Table(title=f"{self.title}   {head}", title_justify="left")
             for c in ("variant", "rate", "progress", "TTFT p50/p99 ms", "ITL p50/p99 ms", "SLO met"):
                 pt.add_column(c, justify="left" if c == "variant" else "right")
-            for (v, rate), p in self.progress.items():
+            for (v, rate, repeat), p in self.progress.items():
                 bar = _bar(p.done, p.total)
                 att = f"{p.met}/{p.done} ({100 * p.met / p.done:.0f}%)" if p.done else "—"
-                pt.add_row(v, _rate(rate), f"{bar} {p.done}/{p.total}", f"{_p(p.ttft, 50)}/{_p(p.ttft, 99)}",
-                           f"{_p(p.itl, 50)}/{_p(p.itl, 99)}", att)
-            return Group(wt, pt, *self.notes)
+                pt.add_row(v + (f" #{repeat + 1}" if repeat else ""), _rate(rate), f"{bar} {p.done}/{p.total}",
+                           f"{_p(p.ttft, 50)}/{_p(p.ttft, 99)}", f"{_p(p.itl, 50)}/{_p(p.itl, 99)}", att)
+            return Group(f"[bold]{self.state}[/bold]", wt, pt, *self.notes)
 
     def start(self) -> "LiveView":
         if self.live and self._live is None:

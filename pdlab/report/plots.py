@@ -80,7 +80,8 @@ def write_plots(run_dir: str, run: Optional[Run] = None) -> list[str]:
     for v, vs in variants.items():
         pts = [(as_rate(x["rate"]), x["attainment"]) for x in vs["rates"].values() if x.get("attainment") is not None]
         g = vs["goodput"]
-        series.append((f"{v} (goodput {'≥' if g['lower_bound'] else ''}{g['goodput'] or 0:.2f})", pts, g["goodput"]))
+        series.append((f"{v} (goodput {'≥' if g.get('open_above') else ''}{g.get('mean') or 0:.2f})", pts,
+                       g.get("mean")))
     if series:
         out.append(_attainment_plot(plt, series, target, os.path.join(run_dir, "goodput.png"),
                                     "SLO attainment vs rate (dotted: goodput)"))
@@ -88,7 +89,8 @@ def write_plots(run_dir: str, run: Optional[Run] = None) -> list[str]:
     focus = _focus_rate(run)
     if focus is None:
         return out
-    reqs = [r for r in run.requests if as_rate(r["rate"]) == focus and r.get("ok") and not r.get("warmup")]
+    reqs = [r for r in run.requests if as_rate(r["rate"]) == focus and r.get("ok") and not r.get("warmup")
+            and not r.get("repeat")]  # the first repeat: one timeline per variant
     by_v: dict[str, list[dict]] = defaultdict(list)
     for r in reqs:
         by_v[r["variant"]].append(r)
@@ -119,7 +121,8 @@ def _timeline(plt: Any, run: Run, by_v: dict[str, list[dict]], focus: float, slo
         rs = by_v[v]
         t0 = min(r["arrival"] for r in rs)
         workers = {r.get("decode_worker") for r in rs}
-        steps = [s for s in run.steps if s["variant"] == v and as_rate(s["rate"]) == focus and s["worker"] in workers]
+        steps = [s for s in run.steps if s["variant"] == v and as_rate(s["rate"]) == focus and s["worker"] in workers
+                 and not s.get("repeat")]
         for s in steps:
             if int(s.get("prefill_tokens") or 0) > 0:
                 ax.axvspan(s["start"] - t0, s["end"] - t0, color="tab:orange", alpha=0.15, lw=0)
@@ -160,7 +163,7 @@ def write_compare_plots(result: dict, runs: list[Run], out_dir: str) -> list[str
         vs = by_label.get(row["label"])
         if vs:
             pts = [(as_rate(x["rate"]), x["attainment"]) for x in vs["rates"].values() if x.get("attainment") is not None]
-            series.append((row["label"], pts, row["goodput"]))
+            series.append((row["label"], pts, row["goodput"].get("mean")))
     target = (result.get("slo") or {}).get("attainment", 0.9)
     return [_attainment_plot(plt, series, target, os.path.join(out_dir, "compare_goodput.png"),
                              "SLO attainment vs rate across runs")]

@@ -118,7 +118,7 @@ class Tokens:
 
     worker: str
     items: list
-    t: float = 0.0  # worker send time (the "delivery" part of TTFT is router receive - t)
+    t: float = 0.0  # when the worker sampled them (its step's end): the token times of every metric
 
 
 @message

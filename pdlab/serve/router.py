@@ -1,5 +1,7 @@
 """The router: main-process side of the control plane. Places requests, follows each one through
-prefill, KV hand-over and decode, and turns worker messages into events stamped on arrival.
+prefill, KV hand-over and decode, and turns worker messages into events. A token carries the time the
+worker sampled it (time.monotonic() is system-wide on Linux) and the time the router read it: latency
+metrics use the first, so a busy main process cannot inflate them; the gap is reported as delivery lag.
 
 Placement: unified replicas by least load (requests in flight); disaggregated, the least-loaded prefill
 worker, then the decode worker with the most free KV blocks (less what in-flight hand-overs will take).
@@ -22,10 +24,11 @@ from pdlab.serve import messages as m
 class TokenEvent:
     req_id: str
     token_id: int
-    t: float  # router receive time, time.monotonic()
+    t: float  # when the worker sampled it (its step's end), time.monotonic(): system-wide, one clock
     index: int
     finished: bool
     worker: str
+    received: float = 0.0  # when the router read it; received - t is the delivery lag (a health figure)
 
 
 @dataclass
@@ -175,7 +178,7 @@ class Router:
                 if index == 0:
                     req.phases.setdefault("sent", msg.t)
                 req.output_ids.append(tok)
-                self.events.append(TokenEvent(rid, tok, now, index, finished, w.name))
+                self.events.append(TokenEvent(rid, tok, msg.t or now, index, finished, w.name, now))
         elif isinstance(msg, m.Step):
             w.free_blocks = msg.record["kv_blocks_total"] - msg.record["kv_blocks_used"]
             self.events.append(StepEvent(w.name, w.role, msg.record))
@@ -214,7 +217,7 @@ class Router:
         if self.first_token == "prefill":
             req.phases["sent"] = msg.prefill_end
             req.output_ids.append(msg.first_token)
-            self.events.append(TokenEvent(req.req_id, msg.first_token, now, 0, False, w.name))
+            self.events.append(TokenEvent(req.req_id, msg.first_token, msg.prefill_end or now, 0, False, w.name, now))
         if msg.transfer is not None:  # push: the KV is already in the decode pool
             self._transfer_record(req, msg.transfer)
             self.send(req.decode, m.Admit(req.req_id, msg.first_token))

@@ -1,0 +1,162 @@
+"""summary.json: per variant, repeat and rate the metrics; per variant goodput over repeats with its interval.
+
+Everything here is recomputed from the records (requests, steps, transfers) and a few facts of the run
+(the SLO it resolved, what one request took alone, how many prefill workers each variant had, the floor of
+each rate search), so a summary is by construction what anyone recomputes from the run directory.
+
+- Per repeat: the rates it measured (a grid, or a search's saturation point and trials), goodput at the
+  declared ITL statistic and the TPOT-based goodput (pdlab.measure.search.goodput_of), and saturation.
+- Per variant: each rate pooled over repeats (with the per-repeat attainment and latencies as mean and
+  95% interval), goodput as mean and interval of the repeats' goodputs with their brackets, saturation
+  throughput likewise, latencies at goodput (each repeat's last passing rate), and the M/D/1 check.
+- Warnings: delivery lag above 5% of the ITL target, an M/D/1 deviation over 25%, non-monotonic attainment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Optional
+
+from pdlab.measure.confidence import estimate
+from pdlab.measure.metrics import as_rate, summarize_rate
+from pdlab.measure.search import goodput_of
+from pdlab.recipe.slo import SLO
+from pdlab.workload import rate_tag
+
+LAG_WARN = 0.05  # delivery lag p99 above this fraction of the ITL target: warn
+MD1_WARN = 0.25  # measured mean TTFT this far from M/D/1 at the lowest rate: flag ...
+MD1_WARN_MS = 5.0  # ... when it is also this far in absolute terms (a router hop is ~1 ms: not a finding)
+MD1_MAX_RHO = 0.9  # above this load the M/D/1 prediction is too sensitive to be a check
+LATENCIES = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"), ("worst_gap_ms", "p50"))
+
+
+def _key(kind: str, stat: str) -> str:
+    return f"{kind[:-3]}_{stat}_ms"  # ttft_p50_ms, worst_gap_p50_ms
+
+
+def _by(records: list[dict]) -> dict[tuple[str, int, float], list[dict]]:
+    g: dict[tuple[str, int, float], list[dict]] = defaultdict(list)
+    for r in records:
+        if not r.get("warmup"):
+            g[(r["variant"], int(r.get("repeat") or 0), as_rate(r["rate"]))].append(r)
+    return g
+
+
+def _order(rates: set[float]) -> list[float]:
+    return sorted(rates, key=lambda r: (math.isinf(r), r))
+
+
+def mdl1(rate: float, prefill_workers: int, alone_ttft_s: float, measured_ttft_s: Optional[float]) -> dict:
+    """M/D/1 at one rate: requests spread over `prefill_workers` servers, each prefill taking `alone_ttft_s`.
+    W = D + rho D / (2 (1 - rho)), rho = lambda D, lambda = rate / prefill_workers."""
+    lam = rate / max(1, prefill_workers)
+    rho = lam * alone_ttft_s
+    out = {"rate": rate, "prefill_workers": prefill_workers, "alone_ttft_ms": 1000 * alone_ttft_s, "rho": rho,
+           "predicted_ms": None, "measured_ms": None if measured_ttft_s is None else 1000 * measured_ttft_s,
+           "deviation": None, "flag": False, "note": None}
+    if rho >= MD1_MAX_RHO:
+        out["note"] = f"load too high for the check (rho {rho:.2f} >= {MD1_MAX_RHO})"
+        return out
+    w = alone_ttft_s + rho * alone_ttft_s / (2 * (1 - rho))
+    out["predicted_ms"] = 1000 * w
+    if measured_ttft_s is not None:
+        out["deviation"] = (measured_ttft_s - w) / w
+        out["flag"] = abs(out["deviation"]) > MD1_WARN and abs(measured_ttft_s - w) * 1000 > MD1_WARN_MS
+    return out
+
+
+def _repeat(rates: dict[float, dict], slo: SLO, floor: Optional[float], alone_ttft_s: Optional[float],
+            prefill_workers: Optional[int]) -> dict:
+    points = [(r, s["attainment"]) for r, s in rates.items() if s["attainment"] is not None]
+    tpot_points = [(r, s["attainment_tpot"]) for r, s in rates.items() if s["attainment_tpot"] is not None]
+    g = goodput_of(points, slo.attainment, floor)
+    sat = rates.get(math.inf)
+    finite = [r for r in rates if not math.isinf(r)]
+    out = {"rates": {rate_tag(r): s for r, s in rates.items()}, "goodput": g.to_dict(),
+           "goodput_tpot": goodput_of(tpot_points, slo.attainment, floor).to_dict(),
+           "saturation": None if sat is None else {k: sat[k] for k in ("output_tok_s", "total_tok_s",
+                                                                        "request_throughput", "duration_s")},
+           "at_goodput": None, "mdl1": None}
+    at = g.last_pass if g.last_pass is not None else None
+    if at is not None:
+        out["at_goodput"] = {"rate": at, **{_key(k, s): rates[at][k][s] for k, s in LATENCIES}}
+    if finite and alone_ttft_s and prefill_workers:
+        low = min(finite)
+        out["mdl1"] = mdl1(low, prefill_workers, alone_ttft_s, rates[low]["ttft_ms"]["mean"] and
+                           rates[low]["ttft_ms"]["mean"] / 1000.0)
+    return out
+
+
+def _goodput_estimate(gs: list[dict]) -> dict:
+    e = estimate(g["goodput"] for g in gs).to_dict()
+    e.update(closed=all(g["closed"] for g in gs), open_above=any(g["open_above"] for g in gs),
+             open_below=any(g["open_below"] for g in gs), monotonic=all(g["monotonic"] for g in gs),
+             brackets=[[g["last_pass"], g["first_fail"]] for g in gs])
+    return e
+
+
+def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict], slo: SLO,
+                  grid: Optional[dict[str, Any]] = None, partial: bool = False, reason: Optional[str] = None,
+                  alone: Optional[dict] = None, relative: Optional[dict] = None,
+                  prefill_workers: Optional[dict[str, int]] = None,
+                  floors: Optional[dict[tuple[str, int], float]] = None, warnings: Optional[list[str]] = None) -> dict:
+    """The summary of a run. `grid`: variant -> planned rates or "auto" (variants in run order; one that has no
+    records is listed with `ran: false`); default: the variants found in the records. `alone`: the
+    calibration ({ttft_ms, itl_ms, ...}); `relative`: the SLO multipliers it resolved; `floors`: (variant,
+    repeat) -> the lowest rate its search would try (so an all-failing search reads as closed)."""
+    rq, st, tr = _by(requests), _by(steps), _by(transfers)
+    names = list(grid) if grid is not None else list(dict.fromkeys(v for v, _, _ in rq))
+    alone_s = alone["ttft_ms"] / 1000.0 if alone and alone.get("ttft_ms") else None
+    warn = list(warnings or [])
+    variants: dict[str, Any] = {}
+    for v in names:
+        keys = [k for k in rq if k[0] == v]
+        repeats = sorted({k[1] for k in keys})
+        reps = []
+        for i in repeats:
+            rates = {r: summarize_rate(rq[(v, i, r)], st.get((v, i, r), []), tr.get((v, i, r), []), slo, r)
+                     for r in _order({k[2] for k in keys if k[1] == i})}
+            reps.append({"repeat": i, **_repeat(rates, slo, (floors or {}).get((v, i)), alone_s,
+                                                (prefill_workers or {}).get(v))})
+        pooled = {}
+        for r in _order({k[2] for k in keys}):
+            reqs = [x for i in repeats for x in rq.get((v, i, r), [])]
+            s = summarize_rate(reqs, [x for i in repeats for x in st.get((v, i, r), [])],
+                               [x for i in repeats for x in tr.get((v, i, r), [])], slo, r)
+            per = [p["rates"][rate_tag(r)] for p in reps if rate_tag(r) in p["rates"]]
+            s["repeats"] = len(per)
+            s["over_repeats"] = {"attainment": estimate(p["attainment"] for p in per).to_dict(),
+                                 **{_key(k, q): estimate(p[k][q] for p in per).to_dict() for k, q in LATENCIES}}
+            pooled[rate_tag(r)] = {"rate": rate_tag(r) if math.isinf(r) else r, **s}
+            lag = s["delivery_lag_ms"]["p99"]
+            if lag is not None and lag > LAG_WARN * slo.itl_ms:
+                warn.append(f"{v} @ {rate_tag(r)} req/s: delivery lag p99 {lag:.1f} ms is over {LAG_WARN:.0%} of the "
+                            f"ITL target: the main process is slow to read tokens (token times are the workers')")
+        sats = [p["saturation"] for p in reps if p["saturation"]]
+        at = [p["at_goodput"] for p in reps if p["at_goodput"]]
+        md = [p["mdl1"] for p in reps if p["mdl1"]]
+        variants[v] = {
+            "ran": bool(reps), "mode": "search" if (grid or {}).get(v) == "auto" else "grid",
+            "rates": pooled, "repeats": reps,
+            "goodput": _goodput_estimate([p["goodput"] for p in reps]),
+            "goodput_tpot": _goodput_estimate([p["goodput_tpot"] for p in reps]),
+            "saturation": {k: estimate(s[k] for s in sats).to_dict() for k in
+                           ("output_tok_s", "total_tok_s", "request_throughput")} if sats else None,
+            "at_goodput": {"rates": [a["rate"] for a in at],
+                           **{_key(k, q): estimate(a[_key(k, q)] for a in at).to_dict() for k, q in LATENCIES}}
+            if at else None,
+            "mdl1": {"flagged": any(m["flag"] for m in md), "repeats": md} if md else None,
+        }
+        if any(m["flag"] for m in md):
+            worst = max((m for m in md if m["flag"]), key=lambda m: abs(m["deviation"]))
+            warn.append(f"{v}: mean TTFT at {worst['rate']:g} req/s is {worst['measured_ms']:.0f} ms against "
+                        f"{worst['predicted_ms']:.0f} ms from M/D/1 ({worst['deviation']:+.0%}): the harness or "
+                        "interference, not queueing alone, sets TTFT at low load")
+        if reps and not variants[v]["goodput"]["monotonic"]:
+            warn.append(f"{v}: attainment is not monotonic in rate; goodput is bounded by the first failing rate")
+    return {"slo": {k: v for k, v in slo.to_raw().items() if k not in ("ttft", "itl")}, "relative": relative,
+            "alone": alone, "repeats": max((len(v["repeats"]) for v in variants.values()), default=0),
+            "confidence": "mean and 95% Student-t interval over repeats",
+            "percentiles": "numpy linear interpolation", "latency_unit": "ms", "partial": bool(partial),
+            "reason": reason, "warnings": warn, "variants": variants}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -19,6 +19,27 @@ from pdlab.engine.scheduler import Scheduler
 from pdlab.engine.sequence import Sequence, Status
 
 CPU_AUTO_KV_BYTES = 1 << 30  # "auto" on CPU: at most 1 GiB of pool per worker
+SPIN_S = 0.001  # a modelled step sleeps until this close to its end, then spins (sleep overshoots when loaded)
+
+
+class StepTimeModel(Protocol):
+    """A modelled step time (pdlab.recipe.StepTiming is one; the engine does not import the recipe)."""
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        """Seconds the step takes: `context_tokens` is the tokens attended by the step's decode sequences."""
+        ...
+
+
+def wait_until(deadline: float) -> float:
+    """Return at time.monotonic() >= deadline, within a few microseconds of it: sleep most of the way, spin
+    the last SPIN_S. Returns the time it saw last."""
+    now = time.monotonic()
+    if deadline - now > SPIN_S:
+        time.sleep(deadline - now - SPIN_S)
+        now = time.monotonic()
+    while now < deadline:
+        now = time.monotonic()
+    return now
 
 
 @dataclass
@@ -70,9 +91,17 @@ class Reservation:
 
 class Engine:
     def __init__(self, model: Any, config: EngineConfig, role: str = "unified",
-                 kv_alloc: Optional[Callable[[tuple, torch.dtype], torch.Tensor]] = None):
+                 kv_alloc: Optional[Callable[[tuple, torch.dtype], torch.Tensor]] = None,
+                 step_timing: Optional[StepTimeModel] = None):
+        """`step_timing`: when given, every step still runs the real forward, then waits until its modelled
+        time (`step_timing.step_s(...)`) has passed since it began; a step whose real work takes longer ends
+        when it ends. Outputs never change."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
+        if step_timing is not None and not callable(getattr(step_timing, "step_s", None)):
+            raise TypeError(f"step_timing must have a step_s(prefill_tokens, decode_seqs, context_tokens) "
+                            f"method, got {type(step_timing).__name__}")
+        self.step_timing = step_timing
         config.validate("engine")
         self.model, self.config, self.role = model, config, role
         dims = model_dims(model)
@@ -191,6 +220,8 @@ class Engine:
         trio = list(zip(batch.seqs, batch.num_tokens, batch.decode))
         prefill_tokens = sum(n for _, n, d in trio if not d)
         decode_seqs = sum(batch.decode)
+        # tokens the decode sequences attend to (what they hold plus the token they compute now): for a model
+        context_tokens = sum(s.num_computed + n for s, n, d in trio if d) if self.step_timing is not None else 0
         for s, n, d in trio:
             if s.t_first_scheduled is None:
                 s.t_first_scheduled = start
@@ -201,12 +232,13 @@ class Engine:
         logits = self.runner.forward(ids, pos, ctx, rows)
         forward_s = time.monotonic() - t0
         self._current = []
-        sampling = []
+        sampling, prefilled = [], []
         bs, caching = self.config.block_size, self.config.prefix_caching
         for s, n, d in trio:
             s.num_computed += n
             if not d and s.t_prefill_end is None and s.num_computed >= s.prompt_len:
                 s.t_prefill_end = time.monotonic()
+                prefilled.append(s)
             if caching and s.num_computed // bs > len(s.block_hashes):
                 self.blocks.register_full_blocks(s)
             if d or s.num_computed == s.num_tokens:
@@ -216,6 +248,14 @@ class Engine:
             for s, tok in zip(sampling, tokens):
                 outs.append(self._append(s, tok))
         end = time.monotonic()
+        if self.step_timing is not None:
+            deadline = start + self.step_timing.step_s(prefill_tokens, decode_seqs, context_tokens)
+            if end < deadline:
+                # the wait stands for compute the real forward did not take: it counts as forward time
+                waited_from, end = end, wait_until(deadline)
+                forward_s += end - waited_from
+            for s in prefilled:  # a modelled step's prompts finish prefilling when it ends
+                s.t_prefill_end = end
         return StepOutput(self._record(start, end, prefill_tokens, decode_seqs, len(batch.preempted), forward_s), outs)
 
     def _record(self, start: float, end: float, prefill_tokens: int, decode_seqs: int, preempted: int,

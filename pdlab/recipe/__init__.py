@@ -11,8 +11,9 @@ from pdlab.recipe.model import ModelSpec
 from pdlab.recipe.recipe import (Recipe, Variant, apply_set, deep_merge, dump_recipe, is_saturation, load_recipe,
                                  parse_recipe)
 from pdlab.recipe.slo import SLO
+from pdlab.recipe.timing import StepTiming
 from pdlab.recipe.workload import ArrivalSpec, LengthSpec, SharedPrefix, WorkloadSpec
 
-__all__ = ["Recipe", "RecipeError", "Variant", "ModelSpec", "WorkloadSpec", "ArrivalSpec", "LengthSpec",
-           "SharedPrefix", "SLO", "Deployment", "WorkerGroup", "PlannedWorker", "load_recipe", "parse_recipe",
-           "apply_set", "deep_merge", "dump_recipe", "is_saturation"]
+__all__ = ["Recipe", "RecipeError", "Variant", "ModelSpec", "StepTiming", "WorkloadSpec", "ArrivalSpec",
+           "LengthSpec", "SharedPrefix", "SLO", "Deployment", "WorkerGroup", "PlannedWorker", "load_recipe",
+           "parse_recipe", "apply_set", "deep_merge", "dump_recipe", "is_saturation"]

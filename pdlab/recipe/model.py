@@ -1,4 +1,5 @@
-"""The recipe's `model` section: which weights every worker of a variant loads."""
+"""The recipe's `model` section: which weights every worker of a variant loads, and optionally a modelled
+step time (`timing`, see pdlab/recipe/timing.py) that every worker's engine then keeps to."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdlab.constants import DTYPES
-from pdlab.fields import RecipeError, Section, did_you_mean, key_of, optional, spec, to_int, to_str
+from pdlab.fields import RecipeError, Section, did_you_mean, key_of, optional, section, spec, to_int, to_str
+from pdlab.recipe.timing import StepTiming
 
 FORM = "{preset: NAME} or {path: DIR, dtype: bfloat16}"
 DEFAULT_PRESET = "cpu-demo"
@@ -28,6 +30,8 @@ class ModelSpec(Section):
     dtype: Optional[str] = spec(None, "one of float32, bfloat16, float16, auto", optional(_dtype))
     device: Optional[str] = spec(None, "a device string; workers use their deployment devices", optional(to_str))
     seed: int = spec(0, "an integer >= 0 (weights seed of a preset)", to_int(0))
+    # None: steps take their real time; a StepTiming: every step takes (at least) its modelled time
+    timing: Optional[StepTiming] = spec(None, parse=section(StepTiming, nullable=True))
 
     @classmethod
     def from_raw(cls, raw: object, where: str) -> "ModelSpec":
@@ -37,6 +41,11 @@ class ModelSpec(Section):
     def source(self) -> str:
         """The preset name or the path."""
         return self.preset if self.preset is not None else str(self.path)
+
+    @property
+    def modelled(self) -> bool:
+        """True when step times come from `timing`, not from the hardware: say so wherever times are shown."""
+        return self.timing is not None
 
     def check(self, where: str) -> None:
         if (self.preset is None) == (self.path is None):

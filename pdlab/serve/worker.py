@@ -114,7 +114,8 @@ class Worker:
 
                 self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus)
                 kv_alloc = self.transport.kv_alloc
-            self.engine = Engine(self.model, spec.engine, role=self.role, kv_alloc=kv_alloc)
+            self.engine = Engine(self.model, spec.engine, role=self.role, kv_alloc=kv_alloc,
+                                 step_timing=spec.model.timing)
         except Exception as e:  # noqa: BLE001 - reported to the router, then this process ends
             self._send(m.Fatal(self.name, f"{type(e).__name__}: {e}"))
             raise

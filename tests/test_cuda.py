@@ -12,7 +12,7 @@ pytestmark = pytest.mark.cuda
 def test_cuda_engine_matches_transformers(chunked):
     m = load_model({"preset": "tiny-qwen3", "device": "cuda"})
     reqs = prompts([5, 17, 40, 64])
-    eng = Engine(m, EngineConfig(kv_blocks=64, chunked_prefill=chunked, chunk_size=16, token_budget=64))
+    eng = Engine(m, EngineConfig(kv_blocks=64, chunked_prefill=chunked, long_prefill_token_threshold=16, token_budget=64))
     outs, _ = run(eng, reqs, max_tokens=16)
     ref = reference("tiny-qwen3")
     assert outs == {str(i): hf_greedy(ref, p, 16) for i, p in enumerate(reqs)}

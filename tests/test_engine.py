@@ -29,7 +29,7 @@ def test_mixed_lengths_match_transformers(preset, prefix_caching):
 @pytest.mark.parametrize("chunk", [16, 32, 7, 24])  # on and off block boundaries
 def test_chunked_prefill_matches(chunk):
     reqs = prompts(MIXED)
-    eng = engine(block_size=16, kv_blocks=128, chunked_prefill=True, chunk_size=chunk, token_budget=max(chunk, 40))
+    eng = engine(block_size=16, kv_blocks=128, chunked_prefill=True, long_prefill_token_threshold=chunk, token_budget=max(chunk, 40))
     outs, records = run(eng, reqs, max_tokens=16)
     assert outs == expect("tiny-llama", reqs, 16)
     assert max(r.prefill_tokens for r in records) <= max(chunk, 40)
@@ -37,7 +37,7 @@ def test_chunked_prefill_matches(chunk):
 
 
 def test_decode_and_prefill_share_a_step():
-    eng = engine(block_size=16, kv_blocks=64, chunked_prefill=True, chunk_size=8, token_budget=16)
+    eng = engine(block_size=16, kv_blocks=64, chunked_prefill=True, long_prefill_token_threshold=8, token_budget=16)
     reqs = prompts([4, 60])
     outs, records = run(eng, reqs, max_tokens=12)
     assert outs == expect("tiny-llama", reqs, 12)
@@ -63,7 +63,7 @@ def test_max_running_caps_the_batch():
 @pytest.mark.parametrize("chunked", [False, True])
 def test_preemption_by_recompute_keeps_outputs_exact(chunked):
     # 12 blocks of 4 tokens cannot hold four 20-token prompts growing by 16 tokens each.
-    eng = engine(block_size=4, kv_blocks=12, chunked_prefill=chunked, chunk_size=8, token_budget=64)
+    eng = engine(block_size=4, kv_blocks=12, chunked_prefill=chunked, long_prefill_token_threshold=8, token_budget=64)
     reqs = prompts([20, 18, 22, 9])
     outs, records = run(eng, reqs, max_tokens=16)
     assert sum(r.preempted for r in records) > 0, "the tiny pool should force preemption"
@@ -221,12 +221,19 @@ def test_in_place_decode_attention_matches(preset, monkeypatch):
     """Long contexts in contiguous blocks are read in place rather than gathered: same tokens."""
     import pdlab.engine.runner as runner
 
+    import pdlab.engine.attention as attention
+
     monkeypatch.setattr(runner, "VIEW_MIN_CONTEXT", 24)
+    in_place = []
+    real = attention._attend_in_place
+    monkeypatch.setattr(attention, "_attend_in_place",
+                        lambda q, out, k, v, views, scaling: (in_place.append(len(views)), real(q, out, k, v, views,
+                                                                                                 scaling)))
     reqs = prompts(MIXED)
     eng = engine(preset, block_size=16, kv_blocks=128)
     outs, _ = run(eng, reqs, max_tokens=24)
     assert outs == expect(preset, reqs, 24)
-    assert sum(s.contiguous for s in eng.seqs.values()) == 0  # all finished
+    assert sum(in_place) > 0, "no decode row was read in place: the path under test never ran"
     eng.check_idle()
 
 

@@ -67,8 +67,8 @@ def test_duplicate_request_id():
 
 
 def test_bad_engine_config():
-    with pytest.raises(ValueError, match="chunk_size .* must be <= engine.token_budget"):
-        engine(chunked_prefill=True, chunk_size=64, token_budget=32)
+    with pytest.raises(ValueError, match="long_prefill_token_threshold .* must be <= engine.token_budget"):
+        engine(chunked_prefill=True, long_prefill_token_threshold=64, token_budget=32)
     with pytest.raises(ValueError, match="role must be one of"):
         engine(role="both")
 

@@ -62,12 +62,12 @@ def test_devices_split_evenly_among_replicas():
 
 
 def test_variant_engine_overrides_deep_merge_over_base():
-    raw = dict(BASE, engine={"token_budget": 512, "chunk_size": 128})
+    raw = dict(BASE, engine={"token_budget": 512, "long_prefill_token_threshold": 128})
     raw["variants"] = dict(BASE["variants"], chunked={
         "engine": {"chunked_prefill": True},
         "deployment": {"unified": {"devices": ["cpu:0"]}}})
     e = parse_recipe(raw).resolved("chunked").engine
-    assert (e.token_budget, e.chunk_size, e.chunked_prefill) == (512, 128, True)
+    assert (e.token_budget, e.long_prefill_token_threshold, e.chunked_prefill) == (512, 128, True)
     assert isinstance(e, EngineConfig)
 
 
@@ -86,10 +86,10 @@ def test_no_variants_means_one_default_variant():
 
 
 def test_set_overrides_parse_yaml_values():
-    r = parse_recipe(BASE, sets=["engine.chunked_prefill=true", "engine.chunk_size=256", "rates=[1, inf]",
+    r = parse_recipe(BASE, sets=["engine.chunked_prefill=true", "engine.long_prefill_token_threshold=256", "rates=[1, inf]",
                                  "variants.disagg.deployment.mode=pull", "slo.itl_stat=max"])
     d = r.resolved("disagg")
-    assert d.engine.chunked_prefill is True and d.engine.chunk_size == 256
+    assert d.engine.chunked_prefill is True and d.engine.long_prefill_token_threshold == 256
     assert d.rates == (1.0, math.inf) and d.deployment.mode == "pull" and d.slo.itl_stat == "max"
 
 
@@ -113,7 +113,7 @@ def test_variants_selection():
     (["slo.ttft=5x", "slo.ttft_ms=100"], "slo.ttft: give ttft_ms (absolute) or ttft (relative, e.g. 5x), not both"),
     (["workload.arrival={kind: poisson, rescale: 1}"], "workload.arrival.rescale: expected true or false"),
     (["rates=[1, 1]"], "rates[1]: rate 1 is listed twice"),
-    (["engine.chunked_prefill=true", "engine.chunk_size=4096"], "engine.chunk_size (4096) must be <= engine.token_budget"),
+    (["engine.chunked_prefill=true", "engine.long_prefill_token_threshold=4096"], "engine.long_prefill_token_threshold (4096) must be <= engine.token_budget"),
     (["slo.itl_stat=p95"], "slo.itl_stat: expected one of mean, p50, p90, p99, max"),
     (["slo.attainment=1.5"], "slo.attainment: expected a fraction"),
     (["variants.disagg.deployment.transport=rdma"], "deployment.transport: expected one of shm, cuda-ipc, host, nixl"),
@@ -135,7 +135,7 @@ def test_variants_selection():
     (["warmup=-1"], "warmup: expected an integer >= 0"),
     (["engine.kv_blocks=lots"], "engine.kv_blocks: expected auto or an integer >= 1"),
     (["enginechunk=1"], "enginechunk: unknown key"),
-    (["engine.chunk_size"], "expected KEY=VALUE"),
+    (["engine.long_prefill_token_threshold"], "expected KEY=VALUE"),
 ])
 def test_bad_recipes_get_one_clear_message(sets, needle):
     assert needle in err(BASE, *sets)
@@ -177,7 +177,7 @@ def test_missing_deployment():
 
 
 def test_round_trip_through_recipe_yaml(tmp_path):
-    r = parse_recipe(BASE, sets=["engine.chunk_size=64"])
+    r = parse_recipe(BASE, sets=["engine.long_prefill_token_threshold=64"])
     p = tmp_path / "recipe.yaml"
     p.write_text(dump_recipe(r))
     assert ".inf" in p.read_text()

@@ -106,7 +106,7 @@ def test_compare_two_runs(tiny_run, tmp_path):
 
 
 @pytest.mark.parametrize("args,msg", [
-    (["--set", "engine.chunk_size=9999", "--set", "engine.chunked_prefill=true"], "chunk_size"),
+    (["--set", "engine.long_prefill_token_threshold=9999", "--set", "engine.chunked_prefill=true"], "long_prefill_token_threshold"),
     (["--set", "rates=[-1, 2]"], "rates"),
     (["--set", "engine.blok_size=8"], "blok_size"),
     (["--set", "variants.disagg.deployment.decode.devices=[cpu:0]"], "cpu:0"),

@@ -53,12 +53,42 @@ def prefill_pieces(s, seq):
 
 
 def test_chunked_prefill_splits_by_chunk_and_budget():
-    s = make(token_budget=10, chunked_prefill=True, chunk_size=6)
+    s = make(token_budget=10, chunked_prefill=True, long_prefill_token_threshold=6)
     assert prefill_pieces(s, add(s, "a", 15)) == [6, 6, 3]
 
 
+def test_without_a_cap_chunks_fill_what_the_budget_leaves():
+    """vLLM's default: no per-request cap (long_prefill_token_threshold 0), the step budget bounds the chunk."""
+    s = make(token_budget=10, chunked_prefill=True)
+    assert prefill_pieces(s, add(s, "a", 25)) == [10, 10, 5]
+
+
+def test_no_step_prefills_more_than_the_budget_less_its_decodes():
+    """The bound that makes chunked prefill bound the ITL spike: under load a step packs chunks of several
+    waiting prompts, but never more prefill tokens than the budget leaves after the decodes."""
+    for cap in (0, 4, 7):
+        s = make(num_blocks=256, token_budget=12, chunked_prefill=True, long_prefill_token_threshold=cap,
+                 max_running=16)
+        for i in range(6):
+            add(s, f"r{i}", 9 + 5 * i)
+        steps = 0
+        while s.has_work() and steps < 200:
+            batch = s.schedule()
+            decodes = sum(batch.decode)
+            prefill = sum(n for n, d in zip(batch.num_tokens, batch.decode) if not d)
+            assert prefill <= 12 - decodes, (cap, batch.num_tokens, batch.decode)
+            if cap:
+                assert all(n <= cap for n, d in zip(batch.num_tokens, batch.decode) if not d)
+            advance(s, batch)
+            for seq in [x for x in batch.seqs if len(x.output_ids) >= 3]:
+                s.finish(seq)
+                s.blocks.release(seq)
+            steps += 1
+        assert steps > 10 and not s.has_work()
+
+
 def test_decode_rides_along_with_a_chunk():
-    s = make(token_budget=8, chunked_prefill=True, chunk_size=8)
+    s = make(token_budget=8, chunked_prefill=True, long_prefill_token_threshold=8)
     a = add(s, "a", 4)
     advance(s, s.schedule())
     add(s, "b", 20)

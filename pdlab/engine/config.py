@@ -24,16 +24,19 @@ class EngineConfig(Section):
     kv_blocks: Union[int, str] = spec("auto", "auto or an integer >= 1", _kv_blocks)  # auto: from memory
     token_budget: int = spec(2048, "an integer >= 1 (tokens per step)", to_int(1))  # decode and prefill together
     chunked_prefill: bool = spec(False, "true or false", to_bool)
-    chunk_size: int = spec(512, "an integer >= 1 (tokens per prefill chunk)", to_int(1))
+    # with chunked_prefill, at most this many prompt tokens of one request per step (vLLM's name); 0: no cap
+    # beyond the step's budget, so the chunk is what the budget leaves after the decodes
+    long_prefill_token_threshold: int = spec(0, "an integer >= 0 (prompt tokens of one request per step; 0 = no "
+                                                "cap)", to_int(0))
     prefix_caching: bool = spec(True, "true or false", to_bool)
     max_running: int = spec(64, "an integer >= 1 (sequences per step)", to_int(1))
     max_model_len: Optional[int] = spec(None, "null or an integer >= 1", optional(to_int(1)))  # None: the model's
     kv_memory_fraction: float = spec(0.5, "a fraction in (0, 1]", to_float(0.0, 1.0))  # of free memory, for auto
 
     def check(self, where: str) -> None:
-        if self.chunked_prefill and self.chunk_size > self.token_budget:
-            raise RecipeError(f"{key_of(where, 'chunk_size')} ({self.chunk_size}) must be <= engine.token_budget "
-                              f"({self.token_budget}) when chunked_prefill is true")
+        if self.chunked_prefill and self.long_prefill_token_threshold > self.token_budget:  # a cap that never binds
+            raise RecipeError(f"{key_of(where, 'long_prefill_token_threshold')} ({self.long_prefill_token_threshold}) "
+                              f"must be <= engine.token_budget ({self.token_budget}) when chunked_prefill is true")
 
 
 @dataclass

@@ -53,7 +53,7 @@ class Scheduler:
     def _chunk(self, seq: Sequence, budget: int, computed: int | None = None) -> int:
         remaining = seq.num_tokens - (seq.num_computed if computed is None else computed)
         if self.config.chunked_prefill:
-            return min(remaining, self.config.chunk_size, budget)
+            return min(remaining, self.config.long_prefill_token_threshold or budget, budget)
         # Unchunked: a prompt goes in whole, or waits for a step with room. One longer than the whole
         # budget (or a recompute of prompt + outputs after preemption) could never fit, so it runs in
         # pieces of whatever budget is left rather than never.

@@ -1,6 +1,6 @@
 """Recipes as typed, frozen dataclasses: parsed and checked in one place (see recipe.py for the format).
 
-    recipe = load_recipe("recipes/long-input.yaml", sets=["engine.chunk_size=256"])
+    recipe = load_recipe("recipes/long-input.yaml", sets=["engine.long_prefill_token_threshold=256"])
     v = recipe.resolved("disagg-push")      # Variant: model, engine, workload, rates, slo, deployment
     v.deployment.workers                     # (PlannedWorker(name, role, devices), ...)
 """

@@ -109,10 +109,11 @@ class Harness:
                               n=ALONE_REQUESTS + 1, stream="alone")
         self.view.status("measuring one request alone (calibration)")
         ttfts, gaps = [], []
+        placeholder = self.slo.resolved(1.0, 1.0)  # these records are not kept: they judge nothing
         with Cluster(v.model, v.engine, dep, seed=v.seed) as cluster:
             cluster.start()
             for i, r in enumerate(reqs):
-                recs = self.serve(cluster, "(alone)", math.inf, 0, (r,), warmup=True, write=False)
+                recs = self.serve(cluster, "(alone)", math.inf, 0, (r,), warmup=True, write=False, slo=placeholder)
                 times = recs[0]["token_times"] if recs and recs[0]["ok"] else []
                 if i and times:  # the first one warms up
                     ttfts.append(times[0] - recs[0]["arrival"])
@@ -122,7 +123,7 @@ class Harness:
         itl = statistics.median(gaps) if gaps else float("nan")
         self.alone = Alone(1000 * statistics.median(ttfts), 1000 * itl, len(ttfts), ",".join(devices))
         if self.slo.relative:
-            if math.isnan(itl):
+            if self.slo.itl is not None and math.isnan(itl):
                 raise RunAborted("a relative ITL SLO needs requests with 2+ output tokens to measure ITL alone")
             self.slo = self.slo.resolved(self.alone.ttft_ms, self.alone.itl_ms)
         self.view.set_slo(self.slo)
@@ -185,11 +186,11 @@ class Harness:
 
     # ---- one rate ----
     def serve(self, cluster: Any, variant: str, rate: float, repeat: int, reqs: tuple[WorkloadRequest, ...],
-              warmup: bool, write: bool = True) -> list[dict]:
+              warmup: bool, write: bool = True, slo: Optional[SLO] = None) -> list[dict]:
         """Send `reqs` at their arrival offsets and collect until each has finished; returns their records."""
         from pdlab.serve.cluster import RequestDone, StepEvent, TokenEvent, TransferEvent, WorkerFailed
 
-        slo = self.slo
+        slo = slo or self.slo
         t0 = time.monotonic() + LEAD_S
         pending = {r.id: _Pending(r, t0 + (0.0 if math.isinf(r.arrival) else r.arrival)) for r in reqs}
         order = sorted(pending.values(), key=lambda p: p.arrival)

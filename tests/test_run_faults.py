@@ -100,6 +100,7 @@ def test_worker_killed_mid_run(tmp_path):
     assert "worker" in summary["reason"]
     lines = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl"))]
     failed = [r for r in lines if not r["ok"]]
+    assert failed, "the worker died mid-run: the requests it held must be written as failed"
     assert all("worker" in r["error"] for r in failed)
 
 

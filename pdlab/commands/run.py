@@ -17,8 +17,9 @@ def place_main_process(recipe: object) -> tuple[list[int], list[str]]:
     """Keep the main process (router, harness) off the workers' cores when the machine has spare ones.
     Returns its cores and the warnings to record."""
     from pdlab.harness import worker_cores
+    from pdlab.serve.topology import cpu_cores
 
-    mine = set(os.sched_getaffinity(0))
+    mine = set(cpu_cores())
     spare = sorted(mine - worker_cores(recipe))
     if spare and len(spare) < len(mine):
         os.sched_setaffinity(0, spare)

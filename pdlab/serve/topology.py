@@ -24,8 +24,15 @@ class Placement:
     visible_gpus: tuple[int, ...] = ()
 
 
+_CORES: list[int] = []
+
+
 def cpu_cores() -> list[int]:
-    return sorted(os.sched_getaffinity(0))
+    """The cores this process could use when first asked: `pdlab run` may later move its main process off the
+    workers' cores, and the workers may still use theirs."""
+    if not _CORES:
+        _CORES.extend(sorted(os.sched_getaffinity(0)))
+    return list(_CORES)
 
 
 def gpu_ids() -> list[int]:

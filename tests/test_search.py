@@ -148,11 +148,11 @@ def test_search_climbs_to_saturation_then_bisects():
 
 def test_first_step_up_goes_to_saturation_even_from_a_low_start():
     s = RateSearch(target=0.9, saturation_rps=8.0, start_fraction=0.125)
-    assert drive(s, lambda r: 1.0) == [1.0, 8.0, 16.0, 32.0, 64.0, 128.0]
+    assert drive(s, lambda r: 1.0) == [1.0, 8.0]
 
 
 # (saturation_rps, rate at which attainment crosses 0.9)
-CURVES = [(8.0, 3.0), (8.0, 5.3), (8.0, 7.9), (8.0, 11.0), (8.0, 1.1), (10.0, 0.77), (3.3, 2.9), (100.0, 61.0)]
+CURVES = [(8.0, 3.0), (8.0, 5.3), (8.0, 7.9), (8.0, 1.1), (10.0, 0.77), (3.3, 2.9), (100.0, 61.0)]
 
 
 @pytest.mark.parametrize("sat, crossing", CURVES)
@@ -180,12 +180,30 @@ def test_search_stops_at_max_trials(max_trials):
 
 
 def test_max_trials_counts_every_recorded_rate():
-    s = RateSearch(target=0.9, saturation_rps=8.0, max_trials=3)
-    s.record(5.0, 1.0)
-    s.record(9.0, 1.0)
-    assert s.next_rate() == 18.0
-    s.record(18.0, 1.0)
+    s = RateSearch(target=0.9, saturation_rps=8.0, max_trials=3, rel_tol=0.01)
+    s.record(5.0, 0.0)
+    s.record(2.0, 1.0)
+    assert s.next_rate() == 3.5
+    s.record(3.5, 1.0)
     assert s.next_rate() is None
+
+
+def test_a_crossing_above_saturation_is_capped_there():
+    """Passing at the saturation rate ends the climb: no higher rate is sustainable, a finite run passing
+    there would only say the run was short. Goodput is the saturation rate, closed, capped."""
+    s = RateSearch(target=0.9, saturation_rps=8.0)
+    assert drive(s, lambda r: clip(0.9 - 0.3 * (r - 11.0) / 11.0)) == [4.0, 8.0]
+    g = s.result()
+    assert (g.goodput, g.capped, g.closed, g.open_above) == (8.0, True, True, False)
+
+
+def test_goodput_of_holds_a_grid_to_the_cap():
+    g = goodput_of([(1, 1.0), (2, 1.0), (4, 0.95), (8, 0.5)], 0.9, cap=3.0)  # crossing at 4.36, above the cap
+    assert (g.goodput, g.capped, g.closed) == (3.0, True, True)
+    g = goodput_of([(1, 1.0), (2, 0.95), (4, 0.85)], 0.9, cap=3.5)  # crossing at 3.0, below it: untouched
+    assert (g.goodput, g.capped) == (pytest.approx(3.0), False)
+    g = goodput_of([(1, 1.0), (2, 1.0)], 0.9, cap=5.0)  # passing below the cap: still a lower bound
+    assert (g.goodput, g.open_above, g.capped) == (2.0, True, False)
 
 
 def test_an_always_failing_curve_ends_at_the_floor_with_goodput_zero_closed():
@@ -208,16 +226,24 @@ def test_failing_until_trials_run_out_above_the_floor_is_open_below():
     assert (g.goodput, g.open_below, g.closed) == (0.0, True, False)
 
 
-def test_an_always_passing_curve_climbs_and_is_open_above():
+def test_an_always_passing_curve_climbs_to_saturation_and_is_capped():
     s = RateSearch(target=0.9, saturation_rps=8.0)
-    assert drive(s, lambda r: 1.0) == [4.0, 8.0, 16.0, 32.0, 64.0, 128.0]
+    assert drive(s, lambda r: 1.0) == [4.0, 8.0]
     g = s.result()
-    assert (g.goodput, g.open_above, g.closed) == (128.0, True, False)
+    assert (g.goodput, g.open_above, g.closed, g.capped) == (8.0, False, True, True)
+
+
+def test_an_always_passing_search_cut_short_by_its_budget_is_open_above():
+    s = RateSearch(target=0.9, saturation_rps=8.0, max_trials=1)
+    assert drive(s, lambda r: 1.0) == [4.0]
+    g = s.result()
+    assert (g.goodput, g.open_above, g.capped) == (4.0, True, False)
 
 
 def test_rates_are_rounded_to_three_significant_figures():
     s = RateSearch(target=0.9, saturation_rps=7.77777, max_trials=4)
-    assert drive(s, lambda r: 1.0) == [3.89, 7.78, 15.6, 31.2]
+    assert drive(s, lambda r: 1.0) == [3.89, 7.78]
+    assert s.result().goodput == 7.77777  # held to the saturation throughput itself
     assert round_rate(0.0123456) == 0.0123
     assert round_rate(123456.0) == 123000.0
 

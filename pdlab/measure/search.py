@@ -11,6 +11,10 @@ The result says how far it can be trusted: `open_above` when no rate failed (goo
 `open_below` when the lowest rate failed and was not low enough to say "never" (goodput 0 is then a
 statement about the rates tried, not about the deployment).
 
+Goodput never exceeds the saturation throughput (`cap`: requests completed per second with every request
+sent at once). Above it the queue grows without bound; a finite run that still passes there only says
+the run was short. A goodput held to the cap is `capped`: capacity, not latency, limits it.
+
 A fixed rate grid wastes trials far from the crossing and resolves it coarsely. `RateSearch` brackets the
 crossing from the saturation throughput (every request sent at once) and bisects it. Each trial is a real
 load run of seconds to minutes, so the search is a plain object the harness steps (`next_rate`, then
@@ -20,7 +24,7 @@ load run of seconds to minutes, so the search is a plain object the harness step
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable
 
 
@@ -40,6 +44,7 @@ class Goodput:
     open_below: bool
     monotonic: bool
     trials: tuple[tuple[float, float], ...]
+    capped: bool = False  # held to the saturation throughput
 
     @property
     def closed(self) -> bool:
@@ -50,7 +55,7 @@ class Goodput:
         # `closed` is derived, written for readers without pdlab; from_dict ignores it.
         return {"goodput": self.goodput, "target": self.target, "last_pass": self.last_pass,
                 "first_fail": self.first_fail, "open_above": self.open_above, "open_below": self.open_below,
-                "monotonic": self.monotonic, "closed": self.closed,
+                "monotonic": self.monotonic, "closed": self.closed, "capped": self.capped,
                 "trials": [{"rate": r, "attainment": a} for r, a in self.trials]}
 
     @classmethod
@@ -58,10 +63,12 @@ class Goodput:
         return cls(goodput=d["goodput"], target=float(d["target"]), last_pass=d["last_pass"],
                    first_fail=d["first_fail"], open_above=bool(d["open_above"]),
                    open_below=bool(d["open_below"]), monotonic=bool(d["monotonic"]),
-                   trials=tuple((float(t["rate"]), float(t["attainment"])) for t in d["trials"]))
+                   trials=tuple((float(t["rate"]), float(t["attainment"])) for t in d["trials"]),
+                   capped=bool(d.get("capped", False)))
 
 
-def goodput_of(points: Iterable[tuple[float, float]], target: float, floor: float | None = None) -> Goodput:
+def goodput_of(points: Iterable[tuple[float, float]], target: float, floor: float | None = None,
+               cap: float | None = None) -> Goodput:
     """Goodput of (rate, attainment) points at an attainment `target`; a rate passes when attainment >= target.
 
     - inf (all at once) is the saturation point, not a rate: it is left out.
@@ -71,7 +78,23 @@ def goodput_of(points: Iterable[tuple[float, float]], target: float, floor: floa
     - No rate fails: goodput = the highest rate, open_above (a lower bound).
     - The lowest rate fails: goodput 0.0. It is closed when `floor` is given and that rate is at or below
       it (the SLO cannot be met even at negligible load); otherwise open_below.
+    - With `cap` (the saturation throughput), goodput is at most cap; a result held to it is `capped`, and
+      passing at or above the cap closes the bracket (no higher rate is sustainable).
     """
+    g = _goodput_of(points, target, floor)
+    if cap is None or g.goodput is None:
+        return g
+    if g.open_above and g.goodput >= cap * (1 - CAP_TOL):
+        return replace(g, goodput=min(g.goodput, cap), open_above=False, capped=True)
+    if g.goodput > cap:
+        return replace(g, goodput=cap, capped=True)
+    return g
+
+
+CAP_TOL = 0.01  # a trial within 1% of the saturation rate counts as reaching it (rates are rounded)
+
+
+def _goodput_of(points: Iterable[tuple[float, float]], target: float, floor: float | None) -> Goodput:
     trials = tuple(sorted((float(r), float(a)) for r, a in points if not math.isinf(float(r))))
     if not trials:
         return Goodput(goodput=None, target=target, last_pass=None, first_fail=None, open_above=False,
@@ -107,8 +130,8 @@ class RateSearch:
 
     Rules (every proposal rounded to 3 significant figures; `max_trials` counts every recorded rate):
     1. First trial: start_fraction * saturation_rps.
-    2. While nothing has failed: go up, to saturation_rps if the highest pass is below it, else to
-       2 * the highest pass.
+    2. While nothing has failed: go up to saturation_rps; once that passes, stop: goodput is capped there
+       (no higher rate is sustainable).
     3. While nothing has passed: halve the lowest rate, but not below the floor
        (floor_fraction * saturation_rps); once the floor has failed, stop: goodput 0, closed.
     4. Then bisect between last_pass and first_fail (as goodput_of defines them, so a pass above a fail
@@ -156,7 +179,7 @@ class RateSearch:
         self._trials.append((rate, attainment))
 
     def result(self) -> Goodput:
-        return goodput_of(self._trials, self.target, self.floor)
+        return goodput_of(self._trials, self.target, self.floor, cap=self.saturation_rps)
 
     def next_rate(self) -> float | None:
         """The next rate to measure, or None when the search is done."""
@@ -165,9 +188,11 @@ class RateSearch:
         if not self._trials:
             return self.start
         g = self.result()
-        if g.first_fail is None:  # nothing failed yet: climb
+        if g.first_fail is None:  # nothing failed yet: climb to saturation, and no further
             top = max(r for r, _ in self._trials)
-            proposal = self.saturation_rps if top < self.saturation_rps else 2.0 * top
+            if top >= self.saturation_rps * (1 - CAP_TOL):
+                return None
+            proposal = self.saturation_rps
         elif g.last_pass is None:  # nothing passed below the first failure: descend toward the floor
             low = g.first_fail
             if low <= self.floor:

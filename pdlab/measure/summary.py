@@ -70,11 +70,12 @@ def _repeat(rates: dict[float, dict], slo: SLO, floor: Optional[float], alone_tt
             prefill_workers: Optional[int]) -> dict:
     points = [(r, s["attainment"]) for r, s in rates.items() if s["attainment"] is not None]
     tpot_points = [(r, s["attainment_tpot"]) for r, s in rates.items() if s["attainment_tpot"] is not None]
-    g = goodput_of(points, slo.attainment, floor)
     sat = rates.get(math.inf)
+    cap = sat["request_throughput"] if sat else None  # no sustained rate above what saturation completes
+    g = goodput_of(points, slo.attainment, floor, cap)
     finite = [r for r in rates if not math.isinf(r)]
     out = {"rates": {rate_tag(r): s for r, s in rates.items()}, "goodput": g.to_dict(),
-           "goodput_tpot": goodput_of(tpot_points, slo.attainment, floor).to_dict(),
+           "goodput_tpot": goodput_of(tpot_points, slo.attainment, floor, cap).to_dict(),
            "saturation": None if sat is None else {k: sat[k] for k in ("output_tok_s", "total_tok_s",
                                                                         "request_throughput", "duration_s")},
            "at_goodput": None, "mdl1": None}
@@ -92,6 +93,7 @@ def _goodput_estimate(gs: list[dict]) -> dict:
     e = estimate(g["goodput"] for g in gs).to_dict()
     e.update(closed=all(g["closed"] for g in gs), open_above=any(g["open_above"] for g in gs),
              open_below=any(g["open_below"] for g in gs), monotonic=all(g["monotonic"] for g in gs),
+             capped=any(g["capped"] for g in gs),
              brackets=[[g["last_pass"], g["first_fail"]] for g in gs])
     return e
 

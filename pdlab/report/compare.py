@@ -143,13 +143,20 @@ def compare(runs: list[Run], baseline: Optional[str] = None, rate: Optional[floa
 
 
 def _row(r: dict) -> Row:
-    return Row(r["label"], r["kind"], r["ran"], r["partial"], _est(r["goodput"]), bool(r["goodput"].get("open_above")),
-               bool(r["goodput"].get("open_below")), r["itl_misses"], r["ttft_misses"], r["prefill_interruptions"],
-               _est(r["saturation_tok_s"]) if r["saturation_tok_s"] else None)
+    g = r["goodput"]
+    return Row(r["label"], r["kind"], r["ran"], r["partial"], _est(g), open_above=bool(g.get("open_above")),
+               open_below=bool(g.get("open_below")), capped=bool(g.get("capped")), itl_misses=r["itl_misses"],
+               ttft_misses=r["ttft_misses"], prefill_interruptions=r["prefill_interruptions"],
+               throughput=_est(r["saturation_tok_s"]) if r["saturation_tok_s"] else None)
 
 
 def _f(x: Optional[float], fmt: str = "{:.0f}") -> str:
     return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else fmt.format(x)
+
+
+def _goodput_cell(g: dict) -> str:
+    """'1.40 ± 0.12', '≥ 4.00' (a lower bound), '3.90 ± 0.20 sat' (held to the saturation throughput)."""
+    return ("≥ " if g.get("open_above") else "") + format_estimate(_est(g)) + (" sat" if g.get("capped") else "")
 
 
 def _pair(lat: Optional[dict], kind: str) -> str:
@@ -170,17 +177,16 @@ def render(result: dict, console: Any = None) -> None:
     console.print(f"SLO per request: TTFT ≤ {_f(slo.get('ttft_ms'))} ms and ITL {slo.get('itl_stat', '?')} ≤ "
                   f"{_f(slo.get('itl_ms'))} ms; goodput = highest rate with ≥ {_f((slo.get('attainment') or 0) * 100)}% "
                   f"of requests meeting both · baseline {result['baseline']}")
-    t = Table(box=box.SIMPLE_HEAD, title="goodput (req/s, mean ± 95% interval over repeats)", title_justify="left")
+    t = Table(box=box.SIMPLE_HEAD, title="goodput (req/s, mean ± 95% interval over repeats; sat: held to the "
+                                         "saturation throughput)", title_justify="left")
     for name, just in (("configuration", "left"), ("goodput", "right"), ("rel.", "right"), ("TPOT goodput", "right"),
                        ("out tok/s @sat", "right")):
         t.add_column(name, justify=just)
     for r in result["rows"]:
         g, gt = r["goodput"], r["goodput_tpot"]
         state = "" if r["ran"] and not r["partial"] else (" (not run)" if not r["ran"] else " (partial)")
-        t.add_row(f"[bold]{escape(r['label'])}[/bold]{state}\n{escape(r['config'])}",
-                  ("≥ " if g.get("open_above") else "") + format_estimate(_est(g)),
-                  _f(r["relative_goodput"], "{:.2f}×"),
-                  ("≥ " if gt.get("open_above") else "") + format_estimate(_est(gt)),
+        t.add_row(f"[bold]{escape(r['label'])}[/bold]{state}\n{escape(r['config'])}", _goodput_cell(g),
+                  _f(r["relative_goodput"], "{:.2f}×"), _goodput_cell(gt),
                   format_estimate(_est(r["saturation_tok_s"]), "{:.0f}") if r["saturation_tok_s"] else "—")
     console.print(t)
     where = "at each row's goodput" if result["mode"] == "search" else f"at {result['focus_rate']} req/s"

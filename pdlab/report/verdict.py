@@ -34,6 +34,7 @@ class Row:
     goodput: Estimate
     open_above: bool = False  # some repeat never failed: goodput is a lower bound
     open_below: bool = False  # some repeat failed at the lowest rate tried, above the search floor
+    capped: bool = False  # some repeat met the SLO up to its saturation throughput: capacity limits it
     itl_misses: int = 0
     ttft_misses: int = 0
     prefill_interruptions: int = 0
@@ -92,6 +93,9 @@ def verdict(base: Row, row: Row) -> str:
     if row.open_below or base.open_below:
         bound += "; the lowest rate tried already failed for " + " and ".join(
             r.label for r in (row, base) if r.open_below)
+    if row.capped or base.capped:
+        bound += "; held to the saturation throughput (capacity, not latency, limits it) for " + " and ".join(
+            r.label for r in (row, base) if r.capped)
     if not one and separated(row.goodput, base.goodput):
         if row.goodput.mean > base.goodput.mean:
             what = "capacity and predictability" if thr is not None and thr > 0.05 else "predictability, not capacity"

@@ -3,11 +3,45 @@ so `pdlab --help` stays fast."""
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
+from typer.core import TyperCommand, TyperGroup, TyperOption
+
+
+def _clean_types(params: list) -> list:
+    """Help that reads cleanly: an option that takes a value shows its metavar (RECIPE, DIR, R, LIST), a flag
+    and an argument show nothing; Typer's type tags (<str>, <bool>, <float>, <list[str]>) are left out."""
+    for p in params:
+        if "display_type_rich" not in vars(p):  # once per parameter (the help option is created lazily)
+            valued = isinstance(p, TyperOption) and not p.is_flag and p.metavar
+            p.display_type_rich = (lambda ctx, m=(p.metavar if valued else None): m)
+    return params
+
+
+class _Command(TyperCommand):
+    """A command with clean help (_clean_types); the usage line names arguments by their metavar, without
+    Typer's braces: `pdlab compare [OPTIONS] RUN...`."""
+
+    def get_params(self, ctx: Any) -> list:
+        return _clean_types(super().get_params(ctx))
+
+    def collect_usage_pieces(self, ctx: Any) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for p in self.get_params(ctx):
+            if not isinstance(p, TyperOption):
+                name = p.metavar or (p.name or "").upper()
+                pieces.append(f"{name}..." if p.nargs != 1 else name)
+        return pieces
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: Any) -> list:
+        return _clean_types(super().get_params(ctx))
+
 
 app = typer.Typer(
+    cls=_Group,
     help="pdlab: should we disaggregate prefill and decode? Measure it.",
     no_args_is_help=True,
     add_completion=False,
@@ -15,12 +49,16 @@ app = typer.Typer(
 )
 
 
-@app.command()
+@app.command(cls=_Command)
 def run(
-    recipe: str = typer.Argument(..., help="Recipe YAML file"),
-    set_: Optional[List[str]] = typer.Option(None, "--set", help="Override a key: engine.chunked_prefill=true"),
-    out: Optional[str] = typer.Option(None, "--out", help="Run directory (default runs/<recipe>-<time>)"),
-    variants: Optional[str] = typer.Option(None, "--variants", help="Comma-separated variants to run"),
+    recipe: str = typer.Argument(..., metavar="RECIPE", help="Recipe YAML file"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE",
+                                             help="Override a recipe key, e.g. engine.chunked_prefill=true "
+                                                  "(repeatable)"),
+    out: Optional[str] = typer.Option(None, "--out", metavar="DIR", help="Run directory (default: "
+                                                                          "runs/<recipe>-<time>)"),
+    variants: Optional[str] = typer.Option(None, "--variants", metavar="A,B", help="Run only these variants "
+                                                                                   "(comma-separated)"),
 ) -> None:
     """Run every variant of a recipe at every rate; prints the run directory."""
     from pdlab.commands.run import main
@@ -28,23 +66,35 @@ def run(
     raise typer.Exit(main(recipe, set_ or [], out, variants))
 
 
-@app.command()
+@app.command(cls=_Command)
 def compare(
-    runs: List[str] = typer.Argument(..., help="Run directories"),
-    baseline: Optional[str] = typer.Option(None, "--baseline", help="Baseline variant for relative goodput"),
-    json_: bool = typer.Option(False, "--json", help="Machine-readable output"),
-    plot: Optional[str] = typer.Option(None, "--plot", help="Write comparison plots to this directory"),
+    runs: List[str] = typer.Argument(..., metavar="RUN", help="Run directories (runs/<recipe>-<time>)"),
+    baseline: Optional[str] = typer.Option(None, "--baseline", metavar="VARIANT",
+                                           help="Baseline for relative goodput (default: the first unified "
+                                                "variant)"),
+    rate: Optional[float] = typer.Option(None, "--rate", metavar="R",
+                                         help="Report latencies at R req/s (grid runs; default: the highest rate "
+                                              "at which every variant's median TTFT meets the target)"),
+    slo_scale: Optional[str] = typer.Option(None, "--slo-scale", metavar="LIST",
+                                            help="Also re-score goodput with the TTFT and ITL targets times each "
+                                                 "scale, e.g. 0.5,1,2 (from the records, no re-run)"),
+    json_: bool = typer.Option(False, "--json", help="Machine-readable output (JSON on stdout)"),
+    plot: Optional[str] = typer.Option(None, "--plot", metavar="DIR", help="Write comparison plots to DIR"),
 ) -> None:
-    """Side-by-side table of runs: SLO-met requests, goodput, throughput, TTFT/ITL, misses."""
+    """Side-by-side table of runs: goodput, SLO-met requests, throughput, TTFT/ITL, misses."""
     from pdlab.commands.compare import main
 
-    raise typer.Exit(main(runs, baseline, json_, plot))
+    raise typer.Exit(main(runs, baseline, json_, plot, rate, slo_scale))
 
 
-@app.command()
+@app.command(cls=_Command)
 def doctor(
-    json_: bool = typer.Option(False, "--json", help="Machine-readable output"),
-    probe_mb: float = typer.Option(0.0, "--probe-mb", help="Bytes per probe hand-over (default: a 2k-token cpu-demo KV)"),
+    json_: bool = typer.Option(False, "--json", help="Machine-readable output (JSON on stdout)"),
+    probe_mb: float = typer.Option(0.0, "--probe-mb", metavar="MB", show_default=False,
+                                   help="Size of each probe hand-over in megabytes (10^6 bytes) of float32 KV, "
+                                        "rounded down to whole KV blocks; the GPU probes copy the same blocks in "
+                                        "bfloat16, half the bytes (default: a 2048-token cpu-demo prompt's KV, "
+                                        "4.2 MB)"),
 ) -> None:
     """Devices, memory, GPU peer topology and a measured probe per KV transport."""
     from pdlab.commands.doctor import main
@@ -52,14 +102,14 @@ def doctor(
     raise typer.Exit(main(json_, probe_mb))
 
 
-@app.command()
+@app.command(cls=_Command)
 def generate(
-    model: str = typer.Option("cpu-demo", "--model", help="Preset name or local model directory"),
-    prompts: int = typer.Option(8, "--prompts", help="Number of random prompts"),
-    prompt_len: int = typer.Option(256, "--prompt-len", help="Tokens per prompt"),
-    max_tokens: int = typer.Option(32, "--max-tokens", help="New tokens per prompt"),
-    device: str = typer.Option("cpu", "--device"),
-    seed: int = typer.Option(0, "--seed"),
+    model: str = typer.Option("cpu-demo", "--model", metavar="NAME|DIR", help="Preset name or local model directory"),
+    prompts: int = typer.Option(8, "--prompts", metavar="N", help="Number of random prompts"),
+    prompt_len: int = typer.Option(256, "--prompt-len", metavar="N", help="Tokens per prompt"),
+    max_tokens: int = typer.Option(32, "--max-tokens", metavar="N", help="New tokens per prompt"),
+    device: str = typer.Option("cpu", "--device", metavar="DEVICE", help="cpu or cuda:N"),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the random prompts"),
 ) -> None:
     """Offline generation with the engine (no workers): a quick check that a model loads and runs."""
     from pdlab.commands.generate import main

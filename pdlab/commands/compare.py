@@ -1,4 +1,5 @@
-"""`pdlab compare RUN [RUN ...]`: table (or --json) and optional plots across runs."""
+"""`pdlab compare RUN [RUN ...]`: table (or --json) and optional plots across runs; with --slo-scale, goodput
+re-scored from the records at tighter and looser SLOs (pdlab.report.rescore)."""
 
 from __future__ import annotations
 
@@ -6,17 +7,38 @@ import sys
 from typing import Optional
 
 
-def main(runs: list[str], baseline: Optional[str], json_: bool, plot: Optional[str]) -> int:
+def _error(msg: str) -> int:
+    print(f"pdlab compare: error: {msg}", file=sys.stderr)
+    return 2
+
+
+def main(runs: list[str], baseline: Optional[str], json_: bool, plot: Optional[str], rate: Optional[float] = None,
+         slo_scale: Optional[str] = None) -> int:
     from pdlab.measure.records import RunDirError, dumps, load_run
     from pdlab.report.compare import compare, render
+    from pdlab.report.rescore import parse_scales, rescore_runs
 
+    scales = None
+    if slo_scale is not None:
+        try:
+            scales = parse_scales(slo_scale)
+        except ValueError as e:
+            return _error(f"--slo-scale {slo_scale!r}: {e}")
+    if rate is not None and not (rate > 0):  # NaN fails this too
+        return _error(f"--rate {rate:g}: expected a rate > 0 (req/s) that the runs measured, or inf")
     try:
         loaded = [load_run(p) for p in runs]
-        result = compare(loaded, baseline)
+        result = compare(loaded, baseline, rate)
+        if rate is not None and result["mode"] == "grid" and result["focus_rate"] not in result["rates"]:
+            return _error(f"--rate {rate:g}: no run measured this rate; rates: {', '.join(result['rates'])}")
+        if scales is not None:
+            result["slo_scale"] = rescore_runs(loaded, scales)
     except (RunDirError, ValueError, KeyError, TypeError, AttributeError) as e:
         msg = str(e) if isinstance(e, (RunDirError, ValueError)) else f"unexpected summary format ({e})"
-        print(f"pdlab compare: error: {msg}", file=sys.stderr)
-        return 2
+        return _error(msg)
+    if rate is not None and result["mode"] == "search":
+        print(f"note: --rate {rate:g} is not used: with a rate search the latencies are at each row's goodput",
+              file=sys.stderr)
     if plot:
         from pdlab.report.plots import write_compare_plots
 
@@ -28,4 +50,9 @@ def main(runs: list[str], baseline: Optional[str], json_: bool, plot: Optional[s
         print(dumps(result, indent=2))
     else:
         render(result)
+        if scales is not None:
+            from pdlab.report.rescore import render as render_scales
+
+            render_scales(result["slo_scale"])
     return 0
+

@@ -91,10 +91,14 @@ def main(json_: bool = False, probe_mb: float = 0.0) -> int:
 
     torch.set_num_threads(1)  # a worker on one core copies with one thread
     shape = kv_shape("cpu-demo", 2048)
-    size_note = "a 2048-token cpu-demo prompt's KV"
-    if probe_mb > 0:
+    what = "a 2048-token cpu-demo prompt's KV"
+    if probe_mb > 0:  # megabytes (10^6 bytes) of float32 KV, whole blocks
         shape = shape_for_mb(probe_mb, shape)
-        size_note = f"{probe_mb:g} MB"
+        what = f"--probe-mb {probe_mb:g}"
+    n = 1
+    for d in shape:
+        n *= d
+    size_note = f"{what}: {shape[2]} blocks, {4 * n / 1e6:.1f} MB float32 on CPU, {2 * n / 1e6:.1f} MB bfloat16 on GPU"
     report = {"cpu": cpu_info(), "gpu": gpu_info(), "probe_size": size_note,
               "probes": [r.to_dict() for r in probe_all(shape)],
               "probes_scattered": [r.to_dict() for r in probe_all(shape, scattered=True) if r.available]}

@@ -78,13 +78,15 @@ class Harness:
         self.workloads = workloads
         self.steps_seen: dict[str, int] = {}
         self.slo: SLO = recipe.slo  # absolute once calibrate() resolved a relative one
-        self.alone: Optional[Alone] = None
+        self.alone: Optional[Alone] = None  # the calibration: one unified worker
+        self.alone_by_variant: dict[str, Alone] = {}  # each variant's own deployment
         self.searches: dict[tuple[str, int], dict] = {}  # (variant, repeat) -> saturation rps and trials
 
     def facts(self, warnings: list[str]) -> dict:
         """What the summary needs beyond the records (pdlab.measure.summary.summarize_run)."""
         slo = self.recipe.slo
         return {"alone": self.alone.to_dict() if self.alone else None,
+                "alone_by_variant": {n: a.to_dict() for n, a in self.alone_by_variant.items()},
                 "relative": {"ttft": slo.ttft, "itl": slo.itl} if slo.relative else None,
                 "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
                                     for n, v in self.recipe.variants.items()},
@@ -108,20 +110,10 @@ class Harness:
         reqs = build_requests(v.workload, math.inf, v.seed, wl.vocab, wl.tokenizer, wl.dataset,
                               n=ALONE_REQUESTS + 1, stream="alone")
         self.view.status("measuring one request alone (calibration)")
-        ttfts, gaps = [], []
-        placeholder = self.slo.resolved(1.0, 1.0)  # these records are not kept: they judge nothing
         with Cluster(v.model, v.engine, dep, seed=v.seed) as cluster:
             cluster.start()
-            for i, r in enumerate(reqs):
-                recs = self.serve(cluster, "(alone)", math.inf, 0, (r,), warmup=True, write=False, slo=placeholder)
-                times = recs[0]["token_times"] if recs and recs[0]["ok"] else []
-                if i and times:  # the first one warms up
-                    ttfts.append(times[0] - recs[0]["arrival"])
-                    gaps += [b - a for a, b in zip(times, times[1:])]
-        if not ttfts:
-            raise RunAborted("calibration failed: no request completed alone on one unified worker")
-        itl = statistics.median(gaps) if gaps else float("nan")
-        self.alone = Alone(1000 * statistics.median(ttfts), 1000 * itl, len(ttfts), ",".join(devices))
+            self.alone = self._alone(cluster, reqs, ",".join(devices))
+        itl = self.alone.itl_ms
         if self.slo.relative:
             if self.slo.itl is not None and math.isnan(itl):
                 raise RunAborted("a relative ITL SLO needs requests with 2+ output tokens to measure ITL alone")
@@ -130,6 +122,21 @@ class Harness:
         self.view.note(f"one request alone: TTFT {self.alone.ttft_ms:.0f} ms, ITL {self.alone.itl_ms:.1f} ms; "
                        f"SLO: {self.slo.describe()}")
         return self.alone
+
+    def _alone(self, cluster: Any, reqs: list[WorkloadRequest], where: str) -> Alone:
+        """Send `reqs` one at a time (the first unmeasured) and take the median TTFT and median gap."""
+        ttfts, gaps = [], []
+        placeholder = self.slo.resolved(1.0, 1.0)  # these records are not kept: they judge nothing
+        for i, r in enumerate(reqs):
+            recs = self.serve(cluster, "(alone)", math.inf, 0, (r,), warmup=True, write=False, slo=placeholder)
+            times = recs[0]["token_times"] if recs and recs[0]["ok"] else []
+            if i and times:  # the first one warms up
+                ttfts.append(times[0] - recs[0]["arrival"])
+                gaps += [b - a for a, b in zip(times, times[1:])]
+        if not ttfts:
+            raise RunAborted(f"calibration failed: no request completed alone on {where}")
+        itl = statistics.median(gaps) if gaps else float("nan")
+        return Alone(1000 * statistics.median(ttfts), 1000 * itl, len(ttfts), where)
 
     # ---- variants ----
     def run_variant(self, variant: str) -> None:
@@ -142,6 +149,13 @@ class Harness:
             cluster.start()
             for w in cluster.workers:
                 self.view.update_worker(w.name, role=w.role, devices=",".join(w.devices))
+            # this deployment's own time for one request alone: the D of its M/D/1 check (chunking or a
+            # KV hand-over make it differ from the calibration's unified worker)
+            wl = self.workloads[v.name]
+            self.view.status(f"{variant}: one request alone")
+            self.alone_by_variant[variant] = self._alone(cluster, build_requests(
+                v.workload, math.inf, v.seed, wl.vocab, wl.tokenizer, wl.dataset, n=ALONE_REQUESTS, stream="alone"),
+                variant)
             for repeat, seed in enumerate(v.seeds()):
                 if v.auto:
                     self.search(cluster, v, repeat, seed)

@@ -58,10 +58,12 @@ def test_summary_is_what_the_records_say(tiny_run):
     run = load_run(tiny_run)
     grid = {v: [20.0, float("inf")] for v in ("unified", "disagg")}
     again = summarize_run(run.requests, run.steps, run.transfers, SLO.from_raw(run.summary["slo"], "slo"), grid=grid,
-                          alone=run.summary["alone"], prefill_workers={"unified": 1, "disagg": 1},
+                          alone=run.summary["alone"], alone_by_variant=run.summary["alone_by_variant"],
+                          prefill_workers={"unified": 1, "disagg": 1},
                           warnings=run.env["warnings"])
     assert json.loads(dumps(again)) == run.summary
     assert run.summary["alone"]["requests"] == 3 and run.summary["alone"]["ttft_ms"] > 0
+    assert set(run.summary["alone_by_variant"]) == {"unified", "disagg"}
 
 
 @pytest.mark.slow
@@ -172,3 +174,30 @@ def test_doctor_and_generate_commands():
     assert r.returncode == 0 and "8 new tokens" in r.stdout, r.stdout + r.stderr
     r = pdlab("generate", "--model", "/no/such/model", timeout=120)
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.slow
+def test_goodput_by_search_with_repeats_and_a_relative_slo(tmp_path):
+    """rates: auto, two repeats, SLO relative to one request alone: the summary resolves the SLO from the
+    calibration, each repeat searches from its own saturation point, and goodput has an interval."""
+    out = str(tmp_path / "auto")
+    r = pdlab("run", TINY, "--out", out, "--variants", "unified", "--set", "rates=auto", "--set", "repeats=2",
+              "--set", "search={max_trials: 2}", "--set", "slo={ttft: 50x, itl: 50x, itl_stat: max}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.load(open(os.path.join(out, "summary.json")))
+    assert s["relative"] == {"ttft": 50.0, "itl": 50.0}
+    assert s["slo"]["ttft_ms"] == pytest.approx(50 * s["alone"]["ttft_ms"])
+    assert s["slo"]["itl_ms"] == pytest.approx(50 * s["alone"]["itl_ms"])
+    v = s["variants"]["unified"]
+    assert v["mode"] == "search" and len(v["repeats"]) == 2 and v["goodput"]["n"] == 2
+    for rep in v["repeats"]:
+        sat = rep["saturation"]["request_throughput"]
+        trials = [t["rate"] for t in rep["goodput"]["trials"]]
+        assert 1 <= len(trials) <= 2 and trials[0] == pytest.approx(sat / 2, rel=0.01)  # starts at half
+        assert rep["goodput"]["goodput"] <= sat * 1.0001  # never above saturation
+    reqs = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl"))]
+    assert {x["repeat"] for x in reqs} == {0, 1}
+    seeds = {x["repeat"]: x["prompt_ids"] for x in reqs if x["rate"] == "inf" and not x.get("warmup")}
+    assert seeds[0] != seeds[1]  # distinct requests per repeat
+    c = pdlab("compare", out)
+    assert c.returncode == 0 and "rates tried per repeat" in c.stdout, c.stderr

@@ -67,7 +67,8 @@ def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list
            "output_len": len(output_ids), "cached_tokens": int(cached_tokens or 0), "arrival": arrival,
            "token_times": list(token_times), "ttft": t["ttft"], "e2el": t["e2el"], "tpot": t["tpot"],
            "itl": t["itl"], "worst_gap": max(t["itl"]) if t["itl"] else None,
-           "delivery_lag": list(delivery_lag or []), "prompt_ids": list(prompt_ids), "output_ids": list(output_ids), "ok": ok,
+           "delivery_lag": list(delivery_lag or []), "prompt_ids": list(prompt_ids),
+           "output_ids": list(output_ids), "ok": ok,
            "error": error}
     rec.update(request_slo(ok, t["ttft"], t["itl"], slo))
     rec["prefill_worker"] = workers.get("prefill", workers.get("unified"))

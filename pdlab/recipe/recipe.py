@@ -4,7 +4,7 @@ A recipe has a base (model, engine, workload, rates, slo, warmup, seed, optional
 named variants that deep-merge over the base. Variants may override `engine`, `model` and `deployment`
 only: the workload, rate grid and SLO are shared, so every variant sees the same requests and is judged
 by the same targets. `--set a.b=c` overrides edit the raw recipe (value parsed as YAML) before
-validation, so `--set variants.disagg.deployment.mode=push` works as well as `--set engine.long_prefill_token_threshold=256`.
+validation, so `--set variants.disagg.deployment.mode=push` works as well as `--set engine.token_budget=512`.
 
 Every problem is reported as one RecipeError naming the key and the expected form, and every variant is
 resolved when the recipe is parsed: nothing starts on a bad recipe.

@@ -2,8 +2,9 @@
 
 One row per (run, variant). The headline table: goodput (mean ± 95% interval over repeats, ≥ when the
 rates tried never failed), goodput relative to a baseline variant, the TPOT-based goodput, and output
-tok/s at saturation. The latency table: TTFT and ITL p50/p99 and each request's worst gap (median over
-requests) at one rate per row (on a grid the *focus rate*: the highest rate every row measured at which
+tok/s at saturation. The latency table: TTFT p50/p99, ITL p99 and each request's worst gap (the stall it
+saw; 90th percentile over requests) at one rate per row (on a grid the *focus rate*: the highest rate
+every row measured at which
 every row's median TTFT still meets the TTFT target, i.e. before queues run away; `--rate` picks another;
 with a rate search, each row's own goodput, its last passing rate), misses by kind and prefill
 interruptions summed over the finite rates. Then attainment per rate (grid) or the rates each search tried.
@@ -91,6 +92,7 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
                 "misses": misses, "sent": sum(x["sent"] for x in finite),
                 "itl_misses": misses["itl_only"] + misses["both"], "ttft_misses": misses["ttft_only"] + misses["both"],
                 "prefill_interruptions": sum(x["interference"]["prefill_interruptions"] for x in finite),
+                "mdl1": [m for m in ((vs.get("mdl1") or {}).get("repeats") or [])],
                 "_vs": vs,
             })
     return rows
@@ -137,9 +139,11 @@ def compare(runs: list[Run], baseline: Optional[str] = None, rate: Optional[floa
         r["relative_goodput"] = rm / bm if rm is not None and bm else None
         r["latencies"] = _latencies(r.pop("_vs"), focus, search)
     verdicts = [verdict(_row(base), _row(r)) for r in rows if r is not base]
+    warnings = [(f"{run.name}: " if len(runs) > 1 else "") + w
+                for run in runs for w in _summary(run).get("warnings") or []]
     return {"baseline": base["label"], "mode": "search" if search else "grid", "focus_rate": focus,
             "rates": sorted({t for r in rows for t in r["met"]}, key=as_rate), "slo": base["slo"], "rows": rows,
-            "verdict": verdicts}
+            "verdict": verdicts, "warnings": warnings}
 
 
 def _row(r: dict) -> Row:
@@ -159,12 +163,6 @@ def _goodput_cell(g: dict) -> str:
     return ("≥ " if g.get("open_above") else "") + format_estimate(_est(g)) + (" sat" if g.get("capped") else "")
 
 
-def _pair(lat: Optional[dict], kind: str) -> str:
-    if not lat:
-        return "—"
-    return f"{_f(lat[f'{kind}_p50_ms']['mean'])}/{_f(lat[f'{kind}_p99_ms']['mean'])}"
-
-
 def render(result: dict, console: Any = None) -> None:
     """Print the comparison with rich, in tables that read at 100 columns."""
     from rich import box
@@ -175,7 +173,8 @@ def render(result: dict, console: Any = None) -> None:
     console = console or Console(width=None if sys.stdout.isatty() else WIDTH)
     slo = result["slo"] or {}
     console.print(f"SLO per request: TTFT ≤ {_f(slo.get('ttft_ms'))} ms and ITL {slo.get('itl_stat', '?')} ≤ "
-                  f"{_f(slo.get('itl_ms'))} ms; goodput = highest rate with ≥ {_f((slo.get('attainment') or 0) * 100)}% "
+                  f"{_f(slo.get('itl_ms'))} ms; goodput = highest rate with "
+                  f"≥ {_f((slo.get('attainment') or 0) * 100)}% "
                   f"of requests meeting both · baseline {result['baseline']}")
     t = Table(box=box.SIMPLE_HEAD, title="goodput (req/s, mean ± 95% interval over repeats; sat: held to the "
                                          "saturation throughput)", title_justify="left")
@@ -190,16 +189,17 @@ def render(result: dict, console: Any = None) -> None:
                   format_estimate(_est(r["saturation_tok_s"]), "{:.0f}") if r["saturation_tok_s"] else "—")
     console.print(t)
     where = "at each row's goodput" if result["mode"] == "search" else f"at {result['focus_rate']} req/s"
-    lt = Table(box=box.SIMPLE_HEAD, title=f"latency (ms, {where}; worst gap: each request's longest, median) and "
-                                          "misses (finite rates)", title_justify="left")
-    for name in ("variant", "TTFT p50/p99", "ITL p50/p99", "worst gap", "misses ttft/itl/both/fail", "prefill intr."):
+    lt = Table(box=box.SIMPLE_HEAD, title=f"latency (ms, mean ± 95% interval over repeats, {where}; stall: each "
+                                          "request's longest gap, p90 over requests) and misses (finite rates)",
+               title_justify="left")
+    for name in ("variant", "TTFT p50", "TTFT p99", "ITL p99", "stall p90", "misses t/i/b/f", "prefill intr."):
         lt.add_column(name, justify="left" if name == "variant" else "right")
     for r in result["rows"]:
         lat, m = r["latencies"], r["misses"]
-        lt.add_row(escape(r["label"]), _pair(lat, "ttft"), _pair(lat, "itl"),
-                   _f(lat["worst_gap_p50_ms"]["mean"]) if lat else "—",
-                   f"{m['ttft_only']}/{m['itl_only']}/{m['both']}/{m['failed']} of {r['sent']}",
-                   str(r["prefill_interruptions"]))
+        cells = [format_estimate(_est(lat[k]), "{:.0f}") if lat else "—"
+                 for k in ("ttft_p50_ms", "ttft_p99_ms", "itl_p99_ms", "worst_gap_p90_ms")]
+        misses = f"{m['ttft_only']}/{m['itl_only']}/{m['both']}/{m['failed']} of {r['sent']}"
+        lt.add_row(escape(r["label"]), *cells, misses, str(r["prefill_interruptions"]))
     console.print(lt)
     if result["mode"] == "search":
         for r in result["rows"]:
@@ -214,5 +214,17 @@ def render(result: dict, console: Any = None) -> None:
             at.add_row(escape(r["label"]), *[f"{r['met'][tag][0]}/{r['met'][tag][1]}" if tag in r["met"] else "—"
                                      for tag in result["rates"]])
         console.print(at)
+    md = [(r["label"], m) for r in result["rows"] for m in r["mdl1"][:1] if m.get("predicted_ms") is not None]
+    if md:
+        console.print("M/D/1 at each row's lowest rate (first repeat; D = one request alone on that deployment):")
+        for label, m in md:
+            flag = "  [bold]FLAG: the harness or interference sets TTFT[/bold]" if m["flag"] else ""
+            note = f" ({m['note']})" if m.get("note") else ""
+            console.print(f"  {escape(label)} @ {m['rate']:g} req/s, D {m['alone_ttft_ms']:.0f} ms, "
+                          f"rho {m['rho']:.2f}: predicted "
+                          f"{m['predicted_ms']:.0f} ms, measured {_f(m['measured_ms'])} ms "
+                          f"({_f(100 * (m['deviation'] or 0), '{:+.0f}')}%){escape(note)}{flag}")
     for line in result["verdict"]:
         console.print(f"• {escape(line)}")
+    for w in result.get("warnings") or []:
+        console.print(f"[dim]warning: {escape(w)}[/dim]")

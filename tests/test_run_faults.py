@@ -114,3 +114,8 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path):
     assert "interrupted" in summary["reason"]
     measured = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl")) if '"warmup"' not in x]
     assert len(measured) >= 3
+    # the cut run still compares, and says it is partial
+    c = subprocess.run([sys.executable, "-m", "pdlab.cli", "compare", out], capture_output=True, text=True,
+                       cwd=ROOT, timeout=60)
+    assert c.returncode == 0 and "Traceback" not in c.stderr, c.stderr
+    assert "None" not in c.stdout and "disagg (partial)" in c.stdout, c.stdout

@@ -188,7 +188,8 @@ def render(result: dict, console: Any = None) -> None:
                   _f(r["relative_goodput"], "{:.2f}×"), _goodput_cell(gt),
                   format_estimate(_est(r["saturation_tok_s"]), "{:.0f}") if r["saturation_tok_s"] else "—")
     console.print(t)
-    where = "at each row's goodput" if result["mode"] == "search" else f"at {result['focus_rate']} req/s"
+    where = ("at each row's goodput" if result["mode"] == "search" else f"at {result['focus_rate']} req/s"
+             if result["focus_rate"] else "no finite rate measured by every row")
     lt = Table(box=box.SIMPLE_HEAD, title=f"latency (ms, mean ± 95% interval over repeats, {where}; stall: each "
                                           "request's longest gap, p90 over requests) and misses (finite rates)",
                title_justify="left")

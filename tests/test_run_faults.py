@@ -39,8 +39,8 @@ def alive(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
-def start_run(out: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pdlab.cli", "run", TINY, "--out", out, *LONG], cwd=ROOT,
+def start_run(out: str, extra: tuple = ()) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "pdlab.cli", "run", TINY, "--out", out, *LONG, *extra], cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -69,11 +69,11 @@ def check_clean(out: str, workers: list[int], shm_before: set) -> dict:
     return summary
 
 
-def cut_run(out: str, cut) -> tuple[subprocess.Popen, str, list[int], set]:
+def cut_run(out: str, cut, extra: tuple = ()) -> tuple[subprocess.Popen, str, list[int], set]:
     """Start a run, wait until it has measured a few requests, then `cut(proc, workers)` it; returns the
     finished process, its stderr, the worker pids it had and the shm segments that existed before."""
     shm_before = set(glob.glob("/dev/shm/pdlab-*"))
-    proc = start_run(out)
+    proc = start_run(out, extra)
     try:
         wait_for_requests(out, proc)
         workers = children(proc.pid)
@@ -90,10 +90,12 @@ def test_worker_killed_mid_run(tmp_path):
     out = str(tmp_path / "killed")
 
     def kill_a_worker(proc, workers):
-        assert workers
-        os.kill(workers[-1], signal.SIGKILL)
+        spawned = [p for p in workers if b"spawn_main" in open(f"/proc/{p}/cmdline", "rb").read()]
+        assert spawned  # a worker, not multiprocessing's resource tracker
+        os.kill(spawned[-1], signal.SIGKILL)
 
-    proc, err, workers, shm_before = cut_run(out, kill_a_worker)
+    # 400-token outputs outlast the 250 ms between arrivals: requests are in flight when the worker dies
+    proc, err, workers, shm_before = cut_run(out, kill_a_worker, ("--set", "workload.output_len.value=400"))
     assert proc.returncode == 1, err
     assert "Traceback" not in err and "run stopped early" in err
     summary = check_clean(out, workers, shm_before)

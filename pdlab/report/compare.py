@@ -219,7 +219,8 @@ def render(result: dict, console: Any = None) -> None:
     if md:
         console.print("M/D/1 at each row's lowest rate (first repeat; D = one request alone on that deployment):")
         for label, m in md:
-            flag = "  [bold]FLAG: the harness or interference sets TTFT[/bold]" if m["flag"] else ""
+            flag = ("" if not m["flag"] else "  [bold]FLAG: the harness or interference sets TTFT[/bold]"
+                    if m["deviation"] > 0 else "  [bold]FLAG: below D alone: D does not describe this load[/bold]")
             note = f" ({m['note']})" if m.get("note") else ""
             console.print(f"  {escape(label)} @ {m['rate']:g} req/s, D {m['alone_ttft_ms']:.0f} ms, "
                           f"rho {m['rho']:.2f}: predicted "

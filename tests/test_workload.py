@@ -48,6 +48,19 @@ def test_arrivals_scale_with_rate_and_start_at_zero():
     assert a1[-1] / 999 == pytest.approx(1.0, rel=0.1)  # mean gap 1/rate
 
 
+@pytest.mark.parametrize("kind", [{"kind": "poisson"}, {"kind": "gamma", "burstiness": 0.5}])
+def test_gaps_are_rescaled_so_the_realised_rate_is_the_nominal_one(kind):
+    """Like vllm bench serve: 20 seeded poisson arrivals drift 10-20% off their rate; rescaled, (n - 1) gaps
+    span exactly (n - 1) / rate. The pattern (relative gaps) is kept; rescale: false keeps the raw draw."""
+    for seed in range(5):
+        a = arrival_times(kind, 2.0, 20, seed)
+        assert 19 / (a[-1] - a[0]) == pytest.approx(2.0, rel=1e-12)
+        raw = arrival_times({**kind, "rescale": False}, 2.0, 20, seed)
+        assert np.allclose(np.diff(a) / np.diff(a).sum(), np.diff(raw) / np.diff(raw).sum())
+    drift = [abs(19 / arrival_times({**kind, "rescale": False}, 2.0, 20, s)[-1] / 2.0 - 1) for s in range(5)]
+    assert max(drift) > 0.05  # without rescaling the realised rate is visibly off
+
+
 def test_constant_burst_and_inf():
     assert arrival_times({"kind": "constant"}, 4.0, 4, 0) == [0.0, 0.25, 0.5, 0.75]
     # bursts of 2 every 2/rate seconds: the mean rate is kept

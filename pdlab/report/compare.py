@@ -151,7 +151,8 @@ def _row(r: dict) -> Row:
     return Row(r["label"], r["kind"], r["ran"], r["partial"], _est(g), open_above=bool(g.get("open_above")),
                open_below=bool(g.get("open_below")), capped=bool(g.get("capped")), itl_misses=r["itl_misses"],
                ttft_misses=r["ttft_misses"], prefill_interruptions=r["prefill_interruptions"],
-               throughput=_est(r["saturation_tok_s"]) if r["saturation_tok_s"] else None)
+               throughput=_est(r["saturation_tok_s"]) if r["saturation_tok_s"] else None,
+               ttft_p50=_est(r["latencies"]["ttft_p50_ms"]) if r.get("latencies") else None)
 
 
 def _f(x: Optional[float], fmt: str = "{:.0f}") -> str:

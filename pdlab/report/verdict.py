@@ -39,6 +39,7 @@ class Row:
     ttft_misses: int = 0
     prefill_interruptions: int = 0
     throughput: Optional[Estimate] = None  # output tok/s at saturation
+    ttft_p50: Optional[Estimate] = None  # at the latency table's rate (ms)
 
 
 def _g(r: Row) -> str:
@@ -58,6 +59,14 @@ def _throughput(base: Row, row: Row) -> Optional[float]:
     if base.throughput is None or row.throughput is None or not base.throughput.mean or row.throughput.mean is None:
         return None
     return (row.throughput.mean - base.throughput.mean) / base.throughput.mean
+
+
+def _ttft_cost(base: Row, row: Row) -> str:
+    """'; paid in TTFT: p50 182 → 318 ms' when the candidate's median TTFT is higher beyond noise."""
+    a, b = base.ttft_p50, row.ttft_p50
+    if a is None or b is None or a.mean is None or b.mean is None or not separated(a, b) or b.mean <= a.mean:
+        return ""
+    return f"; paid in TTFT: p50 {a.mean:.0f} → {b.mean:.0f} ms"
 
 
 def verdict(base: Row, row: Row) -> str:
@@ -101,7 +110,8 @@ def verdict(base: Row, row: Row) -> str:
             what = "capacity and predictability" if thr is not None and thr > 0.05 else "predictability, not capacity"
             moved = ("; the remaining misses are TTFT misses: the bottleneck moved to prefill"
                      if row.ttft_misses > 0 and row.itl_misses < base.itl_misses else "")
-            return head + f"{nums}, {_misses(base, row)}{thr_s}: {who} bought {what}{moved}{bound}"
+            cost = _ttft_cost(base, row)
+            return head + f"{nums}, {_misses(base, row)}{thr_s}: {who} bought {what}{moved}{cost}{bound}"
         return head + f"{nums}, {_misses(base, row)}{thr_s}: {base.label} is better here{bound}"
     if base.kind == "unified" and base.itl_misses == 0 and base.prefill_interruptions == 0:
         return head + (f"{nums}, {_misses(base, row)}{thr_s}: no ITL problem at these rates: the unified engine "

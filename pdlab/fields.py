@@ -83,7 +83,7 @@ class Section:
             key, meta = key_of(where, f.name), f.metadata
             if f.name not in raw:
                 required = f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                if required and meta.get("parse") is None:
+                if required and (meta.get("parse") is None or meta["expected"]):
                     raise RecipeError(f"{key}: missing; expected {meta['expected']}")
                 if required:
                     out[f.name] = meta["parse"](None, key)

@@ -91,7 +91,8 @@ class Harness:
                 "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
                                     for n, v in self.recipe.variants.items()},
                 "floors": {k: s["floor"] for k, s in self.searches.items() if s.get("floor")},
-                "warnings": list(warnings)}
+                "warnings": list(warnings),
+                "modelled": {n: v.model.timing.describe() for n, v in self.recipe.variants.items() if v.model.modelled}}
 
     def run(self) -> None:
         self.calibrate()
@@ -145,6 +146,8 @@ class Harness:
         v = self.recipe.resolved(variant)
         n = len(v.deployment.workers)
         self.view.status(f"{variant}: starting {n} worker{'s' if n != 1 else ''}")
+        if v.model.modelled:
+            self.view.note(f"{variant}: {v.model.timing.describe()}: its times are the model's, not this machine's")
         with Cluster(v.model, v.engine, v.deployment, seed=v.seed) as cluster:
             cluster.start()
             for w in cluster.workers:

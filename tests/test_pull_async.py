@@ -53,7 +53,8 @@ class FakeWorker:
 
     def __init__(self, engine, src_pool, timeout=30.0):
         self.name, self.role, self.engine = "decode0", "decode", engine
-        self.spec = types.SimpleNamespace(mode="pull", transfer_timeout_s=timeout, first_token="decode")
+        self.spec = types.SimpleNamespace(mode="pull", transfer_timeout_s=timeout, first_token="decode",
+                                          model=types.SimpleNamespace(timing=None), transport="shm")
         self.transport = FakeTransport({"prefill0-kv": src_pool})
         self.sent, self.steps = [], []
 

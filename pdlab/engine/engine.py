@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -17,31 +17,9 @@ from pdlab.engine.runner import ModelRunner
 from pdlab.engine.sampler import make_generator, sample
 from pdlab.engine.scheduler import Scheduler
 from pdlab.engine.sequence import Sequence, Status
+from pdlab.engine.timed import StepTimeModel, TimedRunner
 
 CPU_AUTO_KV_BYTES = 1 << 30  # "auto" on CPU: at most 1 GiB of pool per worker
-SPIN_S = 0.001  # a modelled step sleeps until this close to its end, then spins (sleep overshoots when loaded)
-
-
-class StepTimeModel(Protocol):
-    """A modelled step time (pdlab.recipe.StepTiming is one; the engine does not import the recipe)."""
-
-    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
-        """Seconds the step takes: `context_tokens` is the tokens attended by the step's decode sequences."""
-        ...
-
-
-def wait_until(deadline: float) -> float:
-    """Return at time.monotonic() >= deadline, within a few microseconds of it: sleep most of the way, spin
-    the last SPIN_S. Returns the time it saw last."""
-    now = time.monotonic()
-    if deadline - now > SPIN_S:
-        time.sleep(deadline - now - SPIN_S)
-        now = time.monotonic()
-    while now < deadline:
-        now = time.monotonic()
-    return now
-
-
 @dataclass
 class StepRecord:
     start: float  # time.monotonic()
@@ -93,14 +71,10 @@ class Engine:
     def __init__(self, model: Any, config: EngineConfig, role: str = "unified",
                  kv_alloc: Optional[Callable[[tuple, torch.dtype], torch.Tensor]] = None,
                  step_timing: Optional[StepTimeModel] = None):
-        """`step_timing`: when given, every step still runs the real forward, then waits until its modelled
-        time (`step_timing.step_s(...)`) has passed since it began; a step whose real work takes longer ends
-        when it ends. Outputs never change."""
+        """`step_timing`: a modelled timing (pdlab.engine.timed): the model is not run, each step takes the
+        modelled time and samples deterministic tokens; `model` may then be a stand-in without weights."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
-        if step_timing is not None and not callable(getattr(step_timing, "step_s", None)):
-            raise TypeError(f"step_timing must have a step_s(prefill_tokens, decode_seqs, context_tokens) "
-                            f"method, got {type(step_timing).__name__}")
         self.step_timing = step_timing
         config.validate("engine")
         self.model, self.config, self.role = model, config, role
@@ -112,13 +86,16 @@ class Engine:
         self.eos_ids = set(dims["eos_token_ids"])
         num_blocks = config.kv_blocks if config.kv_blocks != "auto" else self._auto_blocks()
         shape = (dims["layers"], 2, num_blocks, config.block_size, dims["kv_heads"], dims["head_dim"])
+        if step_timing is not None:  # nothing computes into the pool: one element per head slot will do
+            shape = (dims["layers"], 2, num_blocks, config.block_size, 1, 1)
         # Written, not just allocated: untouched (lazily mapped) pages would fault on every first read
         # later, in the middle of serving. Zeros also keep masked-out padding free of NaNs.
         self.kv = kv_alloc(shape, self.dtype) if kv_alloc else torch.empty(shape, dtype=self.dtype, device=self.device)
         self.kv.zero_()
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
-        self.runner = ModelRunner(model, self.kv, config.block_size)
+        self.runner: Any = (ModelRunner(model, self.kv, config.block_size) if step_timing is None else
+                            TimedRunner(step_timing, dims["layers"], dims["vocab_size"], self.eos_ids))
         self.seqs: dict[str, Sequence] = {}
         self._current: list[tuple[str, int, int]] = []
 
@@ -131,7 +108,10 @@ class Engine:
     def _auto_blocks(self) -> int:
         per_seq = cdiv(self.max_model_len, self.config.block_size)
         want = self.config.max_running * per_seq
-        if self.device.type == "cuda":
+        modelled_gb = getattr(self.step_timing, "kv_memory_gb", None)
+        if modelled_gb:  # a timed engine sizes its pool as the modelled device would
+            cap = int(modelled_gb * 1e9 * self.config.kv_memory_fraction)
+        elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             cap = int(free * self.config.kv_memory_fraction)
         else:
@@ -220,42 +200,37 @@ class Engine:
         trio = list(zip(batch.seqs, batch.num_tokens, batch.decode))
         prefill_tokens = sum(n for _, n, d in trio if not d)
         decode_seqs = sum(batch.decode)
-        # tokens the decode sequences attend to (what they hold plus the token they compute now): for a model
-        context_tokens = sum(s.num_computed + n for s, n, d in trio if d) if self.step_timing is not None else 0
         for s, n, d in trio:
             if s.t_first_scheduled is None:
                 s.t_first_scheduled = start
         if self.runner.layer_hook is not None:
             self._current = [(s.req_id, s.num_computed, s.num_computed + n) for s, n, _ in trio]
-        ids, pos, ctx, rows = self.runner.prepare(batch.seqs, batch.num_tokens, batch.decode)
-        t0 = time.monotonic()
-        logits = self.runner.forward(ids, pos, ctx, rows)
-        forward_s = time.monotonic() - t0
+        if self.step_timing is not None:
+            t0 = time.monotonic()
+            logits = None
+            forward_s = self.runner.run(trio, start) - t0  # the modelled forward: the wait
+        else:
+            ids, pos, ctx, rows = self.runner.prepare(batch.seqs, batch.num_tokens, batch.decode)
+            t0 = time.monotonic()
+            logits = self.runner.forward(ids, pos, ctx, rows)
+            forward_s = time.monotonic() - t0
         self._current = []
-        sampling, prefilled = [], []
+        sampling = []
         bs, caching = self.config.block_size, self.config.prefix_caching
         for s, n, d in trio:
             s.num_computed += n
             if not d and s.t_prefill_end is None and s.num_computed >= s.prompt_len:
                 s.t_prefill_end = time.monotonic()
-                prefilled.append(s)
             if caching and s.num_computed // bs > len(s.block_hashes):
                 self.blocks.register_full_blocks(s)
             if d or s.num_computed == s.num_tokens:
                 sampling.append(s)
         if sampling:
-            tokens = sample(logits, [s.params for s in sampling], [s.generator for s in sampling])
+            tokens = ([self.runner.token(s) for s in sampling] if logits is None else
+                      sample(logits, [s.params for s in sampling], [s.generator for s in sampling]))
             for s, tok in zip(sampling, tokens):
                 outs.append(self._append(s, tok))
         end = time.monotonic()
-        if self.step_timing is not None:
-            deadline = start + self.step_timing.step_s(prefill_tokens, decode_seqs, context_tokens)
-            if end < deadline:
-                # the wait stands for compute the real forward did not take: it counts as forward time
-                waited_from, end = end, wait_until(deadline)
-                forward_s += end - waited_from
-            for s in prefilled:  # a modelled step's prompts finish prefilling when it ends
-                s.t_prefill_end = end
         return StepOutput(self._record(start, end, prefill_tokens, decode_seqs, len(batch.preempted), forward_s), outs)
 
     def _record(self, start: float, end: float, prefill_tokens: int, decode_seqs: int, preempted: int,
@@ -282,6 +257,8 @@ class Engine:
         return out
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        if self.step_timing is not None:
+            self.runner.forget(seq.req_id)
         self.scheduler.finish(seq)
         self.blocks.release(seq)
         seq.status, seq.finish_reason = Status.FINISHED, reason

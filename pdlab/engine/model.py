@@ -202,3 +202,31 @@ def load_tokenizer(spec: Any) -> Any:
         return AutoTokenizer.from_pretrained(os.path.expanduser(path), local_files_only=True)
     except Exception:  # noqa: BLE001 - a model directory without a tokenizer still serves token-id prompts
         return None
+
+
+class ModelStandIn:
+    """A model's dimensions without its weights: what a timed engine (pdlab.engine.timed) needs, so a timed
+    run of a GPU-scale model neither loads nor computes it."""
+
+    def __init__(self, config: Any, dtype: Any, device: Any):
+        import torch
+
+        self.config = config
+        self.generation_config = None
+        self._param = torch.empty(0, dtype=dtype, device=device)
+
+    def parameters(self) -> Any:
+        yield self._param
+
+
+def load_stand_in(spec: Any, dtype: str = "float32", device: str = "cpu") -> ModelStandIn:
+    """The stand-in of a model spec (preset name, path, ModelSpec or dict): its config, no weights."""
+    if not isinstance(spec, str):
+        dtype = _field(spec, "dtype") or dtype
+        device = _field(spec, "device") or device
+    tdtype = _torch_dtype(dtype)
+    if tdtype == "auto":
+        import torch
+
+        tdtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32
+    return ModelStandIn(model_config(spec), tdtype, device)

@@ -16,7 +16,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -46,8 +46,9 @@ class _Layer:
 
 
 class PushCopier:
-    def __init__(self, pool: torch.Tensor):
+    def __init__(self, pool: torch.Tensor, copy_fn: Callable[..., int] = copy_blocks):
         self.pool = pool
+        self.copy_fn = copy_fn  # (src, src_blocks, dst, dst_blocks, layer=, non_blocking=) -> bytes
         self.layers = pool.shape[0]
         self.cuda = pool.device.type == "cuda"
         self.stream = torch.cuda.Stream(pool.device) if self.cuda else None
@@ -115,8 +116,8 @@ class PushCopier:
         for j in item.jobs:
             if j.error is None:
                 t0 = time.monotonic()
-                j.bytes += copy_blocks(self.pool, j.src_blocks, j.dst, j.dst_blocks, layer=item.layer,
-                                       non_blocking=self.cuda)
+                j.bytes += self.copy_fn(self.pool, j.src_blocks, j.dst, j.dst_blocks, layer=item.layer,
+                                        non_blocking=self.cuda)
                 j.busy += time.monotonic() - t0
 
     def close(self) -> None:

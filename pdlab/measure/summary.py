@@ -110,13 +110,15 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                   alone: Optional[dict] = None, alone_by_variant: Optional[dict[str, dict]] = None,
                   relative: Optional[dict] = None,
                   prefill_workers: Optional[dict[str, int]] = None,
-                  floors: Optional[dict[tuple[str, int], float]] = None, warnings: Optional[list[str]] = None) -> dict:
+                  floors: Optional[dict[tuple[str, int], float]] = None, warnings: Optional[list[str]] = None,
+                  modelled: Optional[dict[str, str]] = None) -> dict:
     """The summary of a run. `grid`: variant -> planned rates or "auto" (variants in run order; one that has no
     records is listed with `ran: false`); default: the variants found in the records. `alone`: the
     calibration ({ttft_ms, itl_ms, ...}); `relative`: the SLO multipliers it resolved; `floors`: (variant,
     repeat) -> the lowest rate its search would try (so an all-failing search reads as closed);
     `alone_by_variant`: one request alone on each variant's own deployment, the D of its M/D/1 check
-    (default: the calibration's)."""
+    (default: the calibration's); `modelled`: variant -> which timing model its times come from (its
+    times are then not the hardware's)."""
     rq, st, tr = _by(requests), _by(steps), _by(transfers)
     names = list(grid) if grid is not None else list(dict.fromkeys(v for v, _, _ in rq))
     alone_s = alone["ttft_ms"] / 1000.0 if alone and alone.get("ttft_ms") else None
@@ -179,4 +181,4 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
             "repeats": max((len(v["repeats"]) for v in variants.values()), default=0),
             "confidence": "mean and 95% Student-t interval over repeats",
             "percentiles": "numpy linear interpolation", "latency_unit": "ms", "partial": bool(partial),
-            "reason": reason, "warnings": warn, "variants": variants}
+            "reason": reason, "warnings": warn, "modelled": dict(modelled or {}), "variants": variants}

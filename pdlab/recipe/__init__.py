@@ -11,9 +11,9 @@ from pdlab.recipe.model import ModelSpec
 from pdlab.recipe.recipe import (Recipe, Variant, apply_set, deep_merge, dump_recipe, is_saturation, load_recipe,
                                  parse_recipe)
 from pdlab.recipe.slo import SLO
-from pdlab.recipe.timing import StepTiming
+from pdlab.recipe.timing import StepTiming, TimingProfile, TransferTiming, load_profile
 from pdlab.recipe.workload import ArrivalSpec, LengthSpec, SharedPrefix, WorkloadSpec
 
-__all__ = ["Recipe", "RecipeError", "Variant", "ModelSpec", "StepTiming", "WorkloadSpec", "ArrivalSpec",
+__all__ = ["Recipe", "RecipeError", "Variant", "ModelSpec", "StepTiming", "TimingProfile", "TransferTiming", "load_profile", "WorkloadSpec", "ArrivalSpec",
            "LengthSpec", "SharedPrefix", "SLO", "Deployment", "WorkerGroup", "PlannedWorker", "load_recipe",
            "parse_recipe", "apply_set", "deep_merge", "dump_recipe", "is_saturation"]

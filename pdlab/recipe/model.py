@@ -1,5 +1,6 @@
-"""The recipe's `model` section: which weights every worker of a variant loads, and optionally a modelled
-step time (`timing`, see pdlab/recipe/timing.py) that every worker's engine then keeps to."""
+"""The recipe's `model` section: which model every worker of a variant serves, and optionally a modelled
+timing (`timing`, see pdlab/recipe/timing.py): then the engine does not run the model, its steps take the
+modelled time."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdlab.constants import DTYPES
-from pdlab.fields import RecipeError, Section, did_you_mean, key_of, optional, section, spec, to_int, to_str
-from pdlab.recipe.timing import StepTiming
+from pdlab.fields import RecipeError, Section, did_you_mean, key_of, optional, spec, to_int, to_str
+from pdlab.recipe.timing import TimingProfile, parse_timing
 
 FORM = "{preset: NAME} or {path: DIR, dtype: bfloat16}"
 DEFAULT_PRESET = "cpu-demo"
@@ -30,8 +31,8 @@ class ModelSpec(Section):
     dtype: Optional[str] = spec(None, "one of float32, bfloat16, float16, auto", optional(_dtype))
     device: Optional[str] = spec(None, "a device string; workers use their deployment devices", optional(to_str))
     seed: int = spec(0, "an integer >= 0 (weights seed of a preset)", to_int(0))
-    # None: steps take their real time; a StepTiming: every step takes (at least) its modelled time
-    timing: Optional[StepTiming] = spec(None, parse=section(StepTiming, nullable=True))
+    # None: the model runs; a profile (a name, a path, or inline step terms): steps take the modelled time
+    timing: Optional[TimingProfile] = spec(None, parse=parse_timing)
 
     @classmethod
     def from_raw(cls, raw: object, where: str) -> "ModelSpec":

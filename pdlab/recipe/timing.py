@@ -1,28 +1,41 @@
-"""The recipe's `model.timing` section: a modelled step time (a "model double").
+"""The recipe's `model.timing`: a modelled step time, inline or from a profile (a "timed engine").
 
-When a model has a timing, every engine step still runs the real forward (so outputs are exactly the
-model's), then waits until its modelled time has passed since the step began:
+With a timing the engine does not run the model. Each step takes its modelled time (the engine waits it
+out) and samples deterministic token ids; KV hand-overs take their modelled transfer time. Everything
+else is the real engine: scheduler, block manager, prefix cache, chunking, preemption, roles, transports'
+bookkeeping. A 2-core box can then run several "GPUs" at GPU time scales, and a test can hold measured
+TTFT and ITL against queueing theory. Runs with a timing are *modelled* (`ModelSpec.modelled`): their
+times are the profile's, not the hardware's, and every output says so.
 
-    step time = fixed_ms + prefill_token_ms * prefill tokens + decode_seq_ms * decode sequences
-                + context_token_ms * context tokens attended by the decode sequences
+    step time = fixed_ms + prefill_token_ms * prefill tokens
+                + prefill_attention_ms * (prefill token x context pairs) / 1000
+                + decode_seq_ms * decode sequences + context_token_ms * context tokens of the decodes
 
-so a run's step times are known (a test can hold measured TTFT and ITL against queueing theory), and later a
-profiled timing can make a small box stand in for a big one. A step whose real compute takes longer than its
-model is not shortened: it takes what it takes. Runs with a timing are *modelled* (`ModelSpec.modelled`):
-their times are not the hardware's.
+    model: {preset: tiny-llama, timing: {fixed_ms: 5, prefill_token_ms: 0.5, decode_seq_ms: 1}}   # inline
+    model: {preset: gpu-0.6b, timing: h200-0.6b-analytic}        # a profile shipped in pdlab/profiles/
+    model: {preset: cpu-demo, timing: runs/cpu-demo.profile.yaml}   # a file written by `pdlab profile`
 
-    model: {preset: tiny-llama, timing: {fixed_ms: 5, prefill_token_ms: 0.5, decode_seq_ms: 1}}
+A profile file is YAML, readable without pdlab: `name`, `source` (measured | analytic), `device`,
+`date`, `model`, `step` (the terms above), `kv_bytes_per_token`, `kv_memory_gb` (what "auto" KV sizing
+may use on the modelled device), `transfer` ({transport: {gbps, latency_ms}}) and, when measured,
+`fit` (how well the step model fits held-out steps).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
-from pdlab.fields import RecipeError, Section, spec, to_float
+import yaml
+
+from pdlab.constants import TRANSPORTS
+from pdlab.fields import RecipeError, Section, did_you_mean, optional, plain, section, spec, to_float, to_int, to_text
 
 MS = "a number of milliseconds >= 0"
+PROFILE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profiles")
+SOURCES = ("measured", "analytic", "inline")
 _non_negative = to_float(0.0, lo_open=False)
 
 
@@ -39,6 +52,7 @@ class StepTiming(Section):
 
     fixed_ms: float = spec(0.0, f"{MS} (per step)", _ms)
     prefill_token_ms: float = spec(0.0, f"{MS} (per prefill token in the step)", _ms)
+    prefill_attention_ms: float = spec(0.0, f"{MS} (per 1000 prefill token x context token pairs)", _ms)
     decode_seq_ms: float = spec(0.0, f"{MS} (per decode sequence in the step)", _ms)
     context_token_ms: float = spec(0.0, f"{MS} (per context token attended by the step's decode sequences)", _ms)
 
@@ -47,7 +61,122 @@ class StepTiming(Section):
             raise RecipeError(f"{where}: every term is 0; expected at least one of {', '.join(self.keys())} > 0 "
                               "(or timing: null for the real step time)")
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
-        """The modelled time of a step, in seconds."""
-        return (self.fixed_ms + self.prefill_token_ms * prefill_tokens + self.decode_seq_ms * decode_seqs
-                + self.context_token_ms * context_tokens) / 1000.0
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_pairs: int = 0) -> float:
+        """The modelled time of a step, in seconds. `prefill_pairs`: sum over the step's prefill chunks of
+        tokens x the context each attends (the quadratic part of attention)."""
+        return (self.fixed_ms + self.prefill_token_ms * prefill_tokens + self.prefill_attention_ms * prefill_pairs
+                / 1000.0 + self.decode_seq_ms * decode_seqs + self.context_token_ms * context_tokens) / 1000.0
+
+
+@dataclass(frozen=True)
+class TransferTiming(Section):
+    gbps: float = spec(expected="a number > 0 (GB/s, 1e9 bytes)", conv=to_float(0.0))
+    latency_ms: float = spec(0.0, f"{MS} (fixed cost per hand-over)", _ms)
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.latency_ms / 1000.0 + nbytes / (self.gbps * 1e9)
+
+
+def _transfers(v: Any, key: str) -> tuple[tuple[str, TransferTiming], ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, dict):
+        raise RecipeError(f"{key}: expected a mapping transport -> {{gbps, latency_ms}}, got {v!r}")
+    out = []
+    for name, t in v.items():
+        if name not in TRANSPORTS:
+            raise RecipeError(f"{key}.{name}: unknown transport" + (did_you_mean(name, TRANSPORTS) or
+                                                                   f"; expected one of {', '.join(TRANSPORTS)}"))
+        out.append((str(name), TransferTiming.from_raw(t, f"{key}.{name}")))
+    return tuple(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimingProfile(Section):
+    """A timing model: the step time, and the KV and transfer figures a timed run needs."""
+
+    name: str = spec("inline", "a string", to_text)
+    source: str = spec("inline", f"one of {', '.join(SOURCES)}", lambda v: _one(v, SOURCES))
+    device: str = spec("", "a string (what was measured or modelled)", to_text)
+    date: str = spec("", "a string", lambda v: to_text(str(v)))
+    model: str = spec("", "a string (the model profiled)", to_text)
+    step: StepTiming = spec(expected="the step-time terms", parse=section(StepTiming))
+    kv_bytes_per_token: Optional[int] = spec(None, "an integer >= 1 (KV bytes per token, all layers)",
+                                             optional(to_int(1)))
+    kv_memory_gb: Optional[float] = spec(None, "a number > 0 (KV memory of the modelled device, GB)",
+                                         optional(to_float(0.0)))
+    transfer: tuple[tuple[str, TransferTiming], ...] = spec((), parse=_transfers)
+    fit: Optional[dict] = spec(None, "a mapping (how well the step model fits held-out steps)",
+                               lambda v: _mapping(v))
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_pairs: int = 0) -> float:
+        return self.step.step_s(prefill_tokens, decode_seqs, context_tokens, prefill_pairs)
+
+    def transfer_of(self, transport: str) -> Optional[TransferTiming]:
+        return dict(self.transfer).get(transport)
+
+    def describe(self) -> str:
+        """'modelled timing: profile h200-0.6b-analytic (analytic, H200 141GB, 2026-11-30)'."""
+        if self.source == "inline":
+            return "modelled timing: inline step model"
+        facts = ", ".join(x for x in (self.source, self.device, self.date) if x)
+        return f"modelled timing: profile {self.name} ({facts})"
+
+    def to_raw(self) -> dict:
+        raw = super().to_raw()
+        raw["transfer"] = {k: plain(t) for k, t in self.transfer}
+        return raw
+
+
+def _one(v: Any, options: tuple[str, ...]) -> str:
+    if v not in options:
+        raise ValueError
+    return v
+
+
+def _mapping(v: Any) -> Optional[dict]:
+    if v is not None and not isinstance(v, dict):
+        raise ValueError
+    return v
+
+
+def profile_path(name: str) -> Optional[str]:
+    """A profile file: a path, or the name of one shipped in pdlab/profiles/."""
+    for p in (os.path.expanduser(name), os.path.join(PROFILE_DIR, f"{name}.yaml")):
+        if os.path.isfile(p):
+            return p
+    return None
+
+
+def shipped_profiles() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".yaml")) if os.path.isdir(PROFILE_DIR) else []
+
+
+def load_profile(name: str, where: str = "model.timing") -> TimingProfile:
+    path = profile_path(name)
+    if path is None:
+        known = shipped_profiles()
+        raise RecipeError(f"{where}: no profile {name!r} (a file, or one of: {', '.join(known) or 'none shipped'})"
+                          + did_you_mean(name, known))
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise RecipeError(f"{where}: {path} cannot be read as YAML ({e.__class__.__name__})") from None
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where}: {path} is not a timing profile (expected a mapping)")
+    raw = {k: v for k, v in raw.items() if k != "pdlab_timing_profile"}
+    return TimingProfile.from_raw(raw, f"{where} ({path})")
+
+
+def parse_timing(v: Any, key: str) -> Optional[TimingProfile]:
+    """`timing:` null, a profile name or path, a full profile mapping, or inline step terms."""
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return load_profile(v, key)
+    if isinstance(v, dict) and "step" in v:
+        return TimingProfile.from_raw(v, key)
+    if isinstance(v, dict):
+        return TimingProfile(step=StepTiming.from_raw(v, key))
+    raise RecipeError(f"{key}: expected a profile name or path, or step terms such as {{fixed_ms: 5}}, got {v!r}")

@@ -141,7 +141,10 @@ def compare(runs: list[Run], baseline: Optional[str] = None, rate: Optional[floa
     verdicts = [verdict(_row(base), _row(r)) for r in rows if r is not base]
     warnings = [(f"{run.name}: " if len(runs) > 1 else "") + w
                 for run in runs for w in _summary(run).get("warnings") or []]
+    modelled = {(f"{run.name}/" if len(runs) > 1 else "") + v: d
+                for run in runs for v, d in (_summary(run).get("modelled") or {}).items()}
     return {"baseline": base["label"], "mode": "search" if search else "grid", "focus_rate": focus,
+            "modelled": modelled,
             "rates": sorted({t for r in rows for t in r["met"]}, key=as_rate), "slo": base["slo"], "rows": rows,
             "verdict": verdicts, "warnings": warnings}
 
@@ -172,6 +175,8 @@ def render(result: dict, console: Any = None) -> None:
     from rich.table import Table
 
     console = console or Console(width=None if sys.stdout.isatty() else WIDTH)
+    for label, what in (result.get("modelled") or {}).items():
+        console.print(f"[bold]MODELLED[/bold] {escape(label)}: {escape(what)}; its times are not this machine's")
     slo = result["slo"] or {}
     console.print(f"SLO per request: TTFT ≤ {_f(slo.get('ttft_ms'))} ms and ITL {slo.get('itl_stat', '?')} ≤ "
                   f"{_f(slo.get('itl_ms'))} ms; goodput = highest rate with "

@@ -225,8 +225,9 @@ def write_plots(run_dir: str, run: Optional[Run] = None) -> list[str]:
     variants = run.summary.get("variants") or {}
     series = [goodput_series(v, vs) for v, vs in variants.items() if vs.get("rates")]
     if series:
+        modelled = " [MODELLED timing: not this machine's]" if run.summary.get("modelled") else ""
         out.append(_attainment_plot(plt, series, target, os.path.join(run_dir, "goodput.png"),
-                                    "SLO attainment vs rate (dotted: goodput; shaded: its 95% interval)"))
+                                    "SLO attainment vs rate (dotted: goodput; shaded: its 95% interval)" + modelled))
 
     focus = focus_rates(run)
     if not focus:
@@ -252,7 +253,8 @@ def write_plots(run_dir: str, run: Optional[Run] = None) -> list[str]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     where = f"at {rate_tag(next(iter(focus.values())))} req/s" if same else "at each variant's goodput"
-    fig.suptitle(f"latency distributions {where} (dashed: SLO)")
+    fig.suptitle(f"latency distributions {where} (dashed: SLO)"
+                 + (" [MODELLED timing]" if run.summary.get("modelled") else ""))
     out.append(_save(plt, fig, os.path.join(run_dir, "latency_cdf.png")))
     repeats = int((run.summary or {}).get("repeats") or 1)
     out.append(_timeline(plt, run, by_v, focus, slo, os.path.join(run_dir, "itl_timeline.png"), repeats > 1))

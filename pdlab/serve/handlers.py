@@ -18,7 +18,8 @@ from pdlab.constants import cdiv
 from pdlab.engine import RequestError, SamplingParams
 from pdlab.kv.pull import PullCopier, PullJob
 from pdlab.kv.push import PushCopier, PushJob
-from pdlab.kv.transfer import TransferRecord
+from pdlab.kv.modelled import modelled_copy
+from pdlab.kv.transfer import TransferRecord, copy_blocks
 from pdlab.serve import messages as m
 
 
@@ -34,8 +35,11 @@ class RoleHandler:
         self.dropped: set[str] = set()  # pulls aborted or timed out: cancel the reservation once copied
         self.copier: Optional[PushCopier] = None
         self.puller: Optional[PullCopier] = None  # decode: started at the first Pull
+        timing = self.spec.model.timing  # a timed engine: hand-overs take the modelled transfer time
+        self.copy_fn = copy_blocks if timing is None else modelled_copy(
+            self.eng.block_bytes, self.eng.dims["layers"], timing.transfer_of(self.spec.transport or ""))
         if self.role == "prefill" and self.spec.mode == "push":
-            self.copier = PushCopier(self.eng.kv)
+            self.copier = PushCopier(self.eng.kv, self.copy_fn)
             self.eng.layer_hook = self._layer_hook
 
     # ---- messages ----
@@ -122,7 +126,7 @@ class RoleHandler:
         try:
             src = self.transport.open(msg.src_pool)
             if self.puller is None:
-                self.puller = PullCopier(self.eng.kv)
+                self.puller = PullCopier(self.eng.kv, self.copy_fn)
             job = self.puller.submit(msg.req_id, src, msg.src_blocks[skip:], r.block_ids[skip:])
         except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
             self.eng.cancel_reservation(msg.req_id)

@@ -91,6 +91,7 @@ class Worker:
         import zmq
 
         from pdlab.engine import Engine, load_model
+        from pdlab.engine.model import load_stand_in
 
         self.spec, self.name, self.role = spec, spec.name, spec.role
         self.parent = os.getppid()
@@ -106,7 +107,9 @@ class Worker:
         threading.Thread(target=self._heartbeat, name="pdlab-heartbeat", daemon=True).start()
         try:
             device = "cuda:0" if spec.visible_gpus else "cpu"
-            self.model = load_model(spec.model, device=device, seed=spec.seed)
+            # a timed model is not run: its dimensions are enough
+            self.model = (load_stand_in(spec.model, device=device) if spec.model.timing else
+                          load_model(spec.model, device=device, seed=spec.seed))
             self.transport = None
             kv_alloc = None
             if spec.transport and self.role != "unified":

@@ -86,3 +86,25 @@ def test_attainment_recomputed_from_raw_token_times(double_run):
     per_request = summary["variants"]["default"]["rates"]["8"]["attainment"]
     assert per_request < summary["variants"]["default"]["rates"]["8"]["attainment_tpot"]
     assert pooled_p99 > slo["itl_ms"] / 1000 and per_request > 0
+
+
+@pytest.mark.slow
+def test_the_simulator_agrees_with_the_timed_run(double_run):
+    """The same recipe and seeded workload in virtual time: mean TTFT and median ITL per rate within 10% of
+    what the worker processes measured (the run has a router hop and OS scheduling the simulator does not)."""
+    from pdlab.recipe import parse_recipe
+    from pdlab.sim.experiment import simulate_recipe
+    from pdlab.workload import build_workload
+
+    summary, reqs = double_run
+    r = parse_recipe(RECIPE)
+    sim = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
+    for rate in (2, 8):
+        real = [x for x in reqs if x["rate"] == rate]
+        virt = [x for x in sim.requests if x["rate"] == rate]
+        assert [x["output_ids"] for x in sorted(real, key=lambda x: x["id"])] == \
+            [x["output_ids"] for x in sorted(virt, key=lambda x: x["id"])]
+        for f in (lambda xs: np.mean([x["ttft"] for x in xs]),
+                  lambda xs: np.median([g for x in xs for g in x["itl"]])):
+            a, b = f(real), f(virt)
+            assert abs(a - b) / b < 0.10, (rate, a, b)

@@ -30,7 +30,10 @@ def place_main_process(recipe: object) -> tuple[list[int], list[str]]:
                           "times are the workers' own stamps, but sends may be late and delivery lag high under load"]
 
 
-def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Optional[str]) -> int:
+def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Optional[str],
+         simulate: bool = False) -> int:
+    """`simulate`: run every variant in virtual time (pdlab.sim) instead of on worker processes; every
+    variant needs a modelled timing."""
     from pdlab.engine.model import ModelLoadError
     from pdlab.harness import Harness, RunAborted, check_machine
     from pdlab.measure.finish import finalize
@@ -43,7 +46,13 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     # Everything that can be wrong with the recipe is found here, before anything starts.
     try:
         recipe = load_recipe(recipe_path, sets, variants)
-        check_machine(recipe)
+        if simulate:
+            for name, v in recipe.variants.items():
+                if not v.model.modelled:
+                    raise RecipeError(f"--simulate: variant {name} has no model.timing; give it a profile (e.g. "
+                                      "model.timing: cpu-demo-2core) to simulate it")
+        else:
+            check_machine(recipe)
         workloads = {name: build_workload(v) for name, v in recipe.variants.items()}
     except (RecipeError, ClusterError, ModelLoadError, WorkloadError) as e:
         return _err(str(e))
@@ -57,6 +66,8 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     except OSError as e:
         return _err(f"--out {path}: cannot create it ({e.strerror})")
 
+    if simulate:
+        return _simulate(recipe, workloads, path)
     cores, warnings = place_main_process(recipe)
     rd = RunDir(path)
     rd.write_recipe(recipe)
@@ -102,3 +113,23 @@ def _print_table(path: str) -> None:
         render(compare([load_run(path)]))
     except Exception as e:  # noqa: BLE001 - the run directory is written; the table is a convenience
         print(f"note: could not render the summary table: {e}", file=sys.stderr)
+
+
+def _simulate(recipe: object, workloads: dict, path: str) -> int:
+    """The recipe in virtual time: the same run directory, every figure labelled simulated."""
+    from pdlab.measure.finish import finalize
+    from pdlab.measure.records import RunDir, collect_env
+    from pdlab.sim.experiment import simulate_recipe
+
+    rd = RunDir(path)
+    rd.write_recipe(recipe)
+    env = collect_env()
+    env.update(simulated=True)
+    rd.write_env(env)
+    result = simulate_recipe(recipe, workloads, progress=lambda v: print(f"{v}: simulated", flush=True))
+    for kind in ("requests", "steps", "transfers"):
+        rd.append(kind, getattr(result, kind))
+    finalize(rd, result.slo, grid={v: recipe.rates for v in recipe.variant_names}, **result.facts)
+    _print_table(path)
+    print(path)
+    return 0

@@ -70,12 +70,15 @@ class Reservation:
 class Engine:
     def __init__(self, model: Any, config: EngineConfig, role: str = "unified",
                  kv_alloc: Optional[Callable[[tuple, torch.dtype], torch.Tensor]] = None,
-                 step_timing: Optional[StepTimeModel] = None):
+                 step_timing: Optional[StepTimeModel] = None, clock: Optional[Callable[[], float]] = None):
         """`step_timing`: a modelled timing (pdlab.engine.timed): the model is not run, each step takes the
-        modelled time and samples deterministic tokens; `model` may then be a stand-in without weights."""
+        modelled time and samples deterministic tokens; `model` may then be a stand-in without weights.
+        `clock`: the time source (default time.monotonic); a simulator passes a virtual clock, and a timed
+        engine then advances it instead of sleeping."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.step_timing = step_timing
+        self.now: Callable[[], float] = clock or time.monotonic
         config.validate("engine")
         self.model, self.config, self.role = model, config, role
         dims = model_dims(model)
@@ -95,7 +98,8 @@ class Engine:
         self.blocks = BlockManager(num_blocks, config.block_size, config.prefix_caching)
         self.scheduler = Scheduler(config, self.blocks)
         self.runner: Any = (ModelRunner(model, self.kv, config.block_size) if step_timing is None else
-                            TimedRunner(step_timing, dims["layers"], dims["vocab_size"], self.eos_ids))
+                            TimedRunner(step_timing, dims["layers"], dims["vocab_size"], self.eos_ids,
+                                        wait=getattr(clock, "advance_to", None)))
         self.seqs: dict[str, Sequence] = {}
         self._current: list[tuple[str, int, int]] = []
 
@@ -140,7 +144,7 @@ class Engine:
 
     def _new_seq(self, req_id: str, prompt_ids: list[int], params: SamplingParams) -> Sequence:
         self._validate(req_id, prompt_ids, params)
-        seq = Sequence(req_id, list(prompt_ids), params, t_arrival=time.monotonic())
+        seq = Sequence(req_id, list(prompt_ids), params, t_arrival=self.now())
         seq.generator = make_generator(params, self.device)
         return seq
 
@@ -186,7 +190,7 @@ class Engine:
 
     # ---- the step ----
     def step(self) -> StepOutput:
-        start = time.monotonic()
+        start = self.now()
         batch = self.scheduler.schedule()
         outs: list[TokenOut] = []
         for seq in batch.failed:
@@ -195,7 +199,7 @@ class Engine:
         if not batch.seqs:
             rec = None
             if batch.preempted or batch.failed:
-                rec = self._record(start, time.monotonic(), 0, 0, len(batch.preempted), 0.0)
+                rec = self._record(start, self.now(), 0, 0, len(batch.preempted), 0.0)
             return StepOutput(rec, outs)
         trio = list(zip(batch.seqs, batch.num_tokens, batch.decode))
         prefill_tokens = sum(n for _, n, d in trio if not d)
@@ -206,21 +210,21 @@ class Engine:
         if self.runner.layer_hook is not None:
             self._current = [(s.req_id, s.num_computed, s.num_computed + n) for s, n, _ in trio]
         if self.step_timing is not None:
-            t0 = time.monotonic()
+            t0 = self.now()
             logits = None
             forward_s = self.runner.run(trio, start) - t0  # the modelled forward: the wait
         else:
             ids, pos, ctx, rows = self.runner.prepare(batch.seqs, batch.num_tokens, batch.decode)
-            t0 = time.monotonic()
+            t0 = self.now()
             logits = self.runner.forward(ids, pos, ctx, rows)
-            forward_s = time.monotonic() - t0
+            forward_s = self.now() - t0
         self._current = []
         sampling = []
         bs, caching = self.config.block_size, self.config.prefix_caching
         for s, n, d in trio:
             s.num_computed += n
             if not d and s.t_prefill_end is None and s.num_computed >= s.prompt_len:
-                s.t_prefill_end = time.monotonic()
+                s.t_prefill_end = self.now()
             if caching and s.num_computed // bs > len(s.block_hashes):
                 self.blocks.register_full_blocks(s)
             if d or s.num_computed == s.num_tokens:
@@ -230,7 +234,7 @@ class Engine:
                       sample(logits, [s.params for s in sampling], [s.generator for s in sampling]))
             for s, tok in zip(sampling, tokens):
                 outs.append(self._append(s, tok))
-        end = time.monotonic()
+        end = self.now()
         return StepOutput(self._record(start, end, prefill_tokens, decode_seqs, len(batch.preempted), forward_s), outs)
 
     def _record(self, start: float, end: float, prefill_tokens: int, decode_seqs: int, preempted: int,
@@ -307,7 +311,7 @@ class Engine:
             seq.output_ids[:] = [first_token]
         assert seq.output_ids, f"{req_id}: admitted without its first token"
         seq.num_computed = seq.prompt_len
-        seq.t_prefill_end = time.monotonic()
+        seq.t_prefill_end = self.now()
         self.blocks.register_full_blocks(seq)
         self.scheduler.add(seq)
 

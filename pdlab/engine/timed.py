@@ -59,11 +59,15 @@ def step_counts(trio: list[tuple[Any, int, bool]]) -> tuple[int, int, int, int]:
 
 
 class TimedRunner:
-    def __init__(self, timing: StepTimeModel, layers: int, vocab_size: int, eos_ids: set[int]):
+    def __init__(self, timing: StepTimeModel, layers: int, vocab_size: int, eos_ids: set[int],
+                 wait: Optional[Callable[[float], float]] = None):
+        """`wait(deadline) -> now`: how to let time pass (default: sleep until then; a simulator's virtual
+        clock jumps there)."""
         if not callable(getattr(timing, "step_s", None)):
             raise TypeError(f"a timing must have a step_s(prefill_tokens, decode_seqs, context_tokens, "
                             f"prefill_pairs) method, got {type(timing).__name__}")
         self.timing, self.layers, self.vocab, self.eos = timing, layers, vocab_size, eos_ids
+        self.wait = wait or wait_until
         self.layer_hook: Optional[Callable[[int], None]] = None
         self._hash: dict[str, int] = {}
 
@@ -71,10 +75,10 @@ class TimedRunner:
         """Wait out the modelled step that began at `start`; returns its end."""
         step = self.timing.step_s(*step_counts(trio))
         if self.layer_hook is None:
-            return wait_until(start + step)
+            return self.wait(start + step)
         end = start
         for layer in range(self.layers):
-            end = wait_until(start + step * (layer + 1) / self.layers)
+            end = self.wait(start + step * (layer + 1) / self.layers)
             self.layer_hook(layer)
         return end
 

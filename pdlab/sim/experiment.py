@@ -1,0 +1,98 @@
+"""A whole recipe in virtual time: what `pdlab run` does (calibration, every variant, repeats, a grid or a
+goodput search), with the Simulator in place of worker processes. The records it returns are a run's, so
+summarize_run, compare and plots read them unchanged; every variant is labelled simulated, from its profile.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pdlab.measure.search import RateSearch
+from pdlab.recipe import SLO, Deployment, Recipe, Variant
+from pdlab.sim.simulator import Simulator
+from pdlab.workload import Workload, build_requests
+
+ALONE_REQUESTS = 3
+
+
+@dataclass
+class SimResult:
+    requests: list[dict] = field(default_factory=list)
+    steps: list[dict] = field(default_factory=list)
+    transfers: list[dict] = field(default_factory=list)
+    slo: Optional[SLO] = None
+    facts: dict = field(default_factory=dict)  # what summarize_run takes beyond the records
+
+    def add(self, recs: tuple[list[dict], list[dict], list[dict]]) -> list[dict]:
+        self.requests += recs[0]
+        self.steps += recs[1]
+        self.transfers += recs[2]
+        return recs[0]
+
+
+def simulated(variant: Variant) -> str:
+    return f"simulated in virtual time; {variant.model.timing.describe()}"
+
+
+def _alone(v: Variant, slo: SLO, wl: Workload) -> dict:
+    """One request at a time on the variant's deployment: median TTFT and median gap (ms)."""
+    sim = Simulator(v, slo.resolved(1.0, 1.0) if slo.relative else slo)
+    reqs = build_requests(v.workload, math.inf, v.seed, wl.vocab, wl.tokenizer, wl.dataset, n=ALONE_REQUESTS,
+                          stream="alone")
+    ttfts, gaps = [], []
+    for r in reqs:
+        (rec,), _, _ = sim.run([r], math.inf)
+        ttfts.append(rec["ttft"])
+        gaps += rec["itl"]
+    return {"ttft_ms": 1000 * statistics.median(ttfts), "itl_ms": 1000 * statistics.median(gaps) if gaps else
+            float("nan"), "requests": len(reqs), "devices": "simulated"}
+
+
+def unified_one(v: Variant) -> Variant:
+    """The variant on one unified worker: the calibration's reference."""
+    from dataclasses import replace
+
+    return replace(v, deployment=Deployment.from_raw({"unified": {"devices": list(v.deployment.workers[0].devices)}},
+                                                     "calibration"))
+
+
+def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: Any = None) -> SimResult:
+    """Every variant of `recipe` (all modelled) through the simulator, as `pdlab run` would run it."""
+    out = SimResult()
+    first = recipe.resolved(recipe.variant_names[0])
+    alone = _alone(unified_one(first), recipe.slo, workloads[first.name])
+    slo = recipe.slo.resolved(alone["ttft_ms"], alone["itl_ms"]) if recipe.slo.relative else recipe.slo
+    out.slo = slo
+    floors, by_variant = {}, {}
+    for name, v in recipe.variants.items():
+        wl = workloads[name]
+        by_variant[name] = _alone(v, slo, wl)
+        sim = Simulator(v, slo)
+        for repeat, seed in enumerate(v.seeds()):
+            if not v.auto:
+                for rate in v.rates:
+                    out.add(sim.run(list(wl.at(rate, seed)), rate, repeat))
+                continue
+            sat = out.add(sim.run(list(wl.at(math.inf, seed)), math.inf, repeat))
+            ok = [r for r in sat if r["ok"]]
+            span = max(r["token_times"][-1] for r in ok) - min(r["arrival"] for r in sat) if ok else 0.0
+            if span <= 0:
+                continue
+            rs = RateSearch(slo.attainment, len(ok) / span, max_trials=v.search.max_trials, rel_tol=v.search.rel_tol,
+                            start_fraction=v.search.start)
+            floors[(name, repeat)] = rs.floor
+            while (rate := rs.next_rate()) is not None:
+                recs = out.add(sim.run(list(wl.at(rate, seed)), rate, repeat))
+                rs.record(rate, sum(r["slo_ok"] for r in recs) / len(recs) if recs else 0.0)
+        if progress is not None:
+            progress(name)
+    out.facts = {"alone": alone, "alone_by_variant": by_variant,
+                 "relative": {"ttft": recipe.slo.ttft, "itl": recipe.slo.itl} if recipe.slo.relative else None,
+                 "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
+                                     for n, v in recipe.variants.items()},
+                 "floors": floors, "warnings": [],
+                 "modelled": {n: simulated(v) for n, v in recipe.variants.items()}}
+    return out

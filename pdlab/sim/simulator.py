@@ -1,0 +1,303 @@
+"""A virtual-time simulator: the real engine, scheduler and block manager of every worker of a deployment,
+stepped on a virtual clock with the router's placement rules and the profile's transfer model, in one
+process and without sleeping. It writes the records a run writes (requests, steps, transfers), so the same
+metrics, goodput and compare code read them.
+
+Each worker is an Engine with a timed runner whose clock jumps instead of sleeping; the simulator always
+advances the earliest thing that can happen next: an arrival, a KV hand-over landing, or a worker starting
+its next step (when it is free and has work). A step's tokens are stamped at its end, as a worker stamps
+them. Placement follows pdlab.serve.router: unified and prefill workers by least load (requests held),
+decode workers by most free KV blocks less the hand-overs already heading there; push reserves the decode
+blocks before prefill. A pull hand-over lands latency + bytes / bandwidth after the prefill step ends; a
+push overlaps the prefill step layer by layer and lands the last layer's share after it.
+
+Everything it produces is modelled: it runs no model and measures nothing.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from pdlab.engine import Engine, SamplingParams
+from pdlab.engine.model import load_stand_in
+from pdlab.measure.metrics import build_request_record
+from pdlab.recipe import SLO, Variant
+from pdlab.workload import WorkloadRequest
+
+
+class VirtualClock:
+    """A clock that jumps: the engine reads it, its timed runner advances it instead of sleeping."""
+
+    def __init__(self, t: float = 0.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance_to(self, t: float) -> float:
+        self.t = max(self.t, t)
+        return self.t
+
+
+@dataclass
+class _Worker:
+    name: str
+    role: str
+    engine: Engine
+    clock: VirtualClock
+    free_at: float = 0.0
+    holds: set = field(default_factory=set)
+
+
+@dataclass
+class _Req:
+    wr: WorkloadRequest
+    arrival: float
+    tokens: list[float] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)
+    phases: dict = field(default_factory=dict)
+    prefill: Optional[str] = None
+    decode: Optional[str] = None
+    first: Optional[int] = None
+    cached: int = 0
+    reservation: Any = None
+
+
+class Simulator:
+    """One variant's deployment, simulated. `run(reqs, rate, repeat)` returns (requests, steps, transfers)."""
+
+    def __init__(self, variant: Variant, slo: SLO):
+        if not variant.model.modelled:
+            raise ValueError(f"variant {variant.name}: the simulator needs a modelled timing (model.timing)")
+        self.v, self.slo, self.timing = variant, slo, variant.model.timing
+        dep = variant.deployment
+        self.mode, self.first_token = dep.mode, dep.first_token
+        self.xfer = self.timing.transfer_of(dep.transport) if dep.disaggregated else None
+        stand_in = load_stand_in(variant.model)
+        self.workers: dict[str, _Worker] = {}
+        for w in dep.workers:
+            clock = VirtualClock()
+            eng = Engine(stand_in, variant.engine, role=w.role, step_timing=self.timing, clock=clock)
+            self.workers[w.name] = _Worker(w.name, w.role, eng, clock)
+        self.layers = next(iter(self.workers.values())).engine.dims["layers"]
+
+    def _of(self, role: str) -> list[_Worker]:
+        return [w for w in self.workers.values() if w.role == role]
+
+    def _least_loaded(self, role: str) -> _Worker:
+        return min(self._of(role), key=lambda w: (len(w.holds), w.name))
+
+    def _decode_with_room(self, reqs: dict[str, _Req]) -> _Worker:
+        def room(w: _Worker) -> int:
+            bs = w.engine.config.block_size
+            inflight = sum(-(-len(reqs[r].wr.prompt_ids) // bs) for r in w.holds
+                           if r in reqs and "admitted" not in reqs[r].phases)
+            return w.engine.blocks.num_free - inflight
+        return max(self._of("decode"), key=lambda w: (room(w), -len(w.holds), w.name))
+
+    def _transfer_s(self, nbytes: int) -> float:
+        return 0.0 if self.xfer is None else self.xfer.transfer_s(nbytes)
+
+    def run(self, reqs: list[WorkloadRequest], rate: float, repeat: int = 0,
+            warmup: bool = False) -> tuple[list[dict], list[dict], list[dict]]:
+        for w in self.workers.values():
+            w.engine.reset_prefix_cache()
+            t = max(w.free_at, w.clock.t)
+            w.clock.advance_to(t)
+            w.free_at = t
+        t0 = max(w.free_at for w in self.workers.values()) + 1.0
+        state = {r.id: _Req(r, t0 + (0.0 if math.isinf(r.arrival) else r.arrival)) for r in reqs}
+        self._records: list[dict] = []
+        self._steps: list[dict] = []
+        self._transfers: list[dict] = []
+        self._tag = {"variant": self.v.name, "rate": rate, "repeat": repeat, **({"warmup": True} if warmup else {})}
+        self._reqs, self._done, self._waiting_room = state, set(), []
+        self._full: dict[str, int] = {}  # decode worker -> its free blocks when a reservation last failed
+        events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, req id)
+        seq = 0
+        for r in sorted(state.values(), key=lambda r: r.arrival):
+            heapq.heappush(events, (r.arrival, seq, "arrive", r.wr.id))
+            seq += 1
+        self._events, self._seq = events, seq
+        now = t0
+        blocked: set[str] = set()  # workers whose last step could schedule nothing: wait for a change
+        while len(self._done) < len(state):
+            busy = [(max(w.free_at, now), w.name) for w in self.workers.values()
+                    if w.engine.has_work() and w.name not in blocked]
+            t_step = min(busy) if busy else (math.inf, "")
+            t_event = events[0][0] if events else math.inf
+            if t_event == math.inf and t_step[0] == math.inf:
+                self._fail_stuck(now)  # a real run would hit its hand-over or stall timeout here
+                break
+            if t_event <= t_step[0]:
+                now, _, kind, rid = heapq.heappop(events)
+                self._event(kind, rid, now)
+                blocked.clear()
+            else:
+                now = t_step[0]
+                if self._step(self.workers[t_step[1]], now):
+                    blocked.clear()
+                else:
+                    blocked.add(t_step[1])
+        return self._records, self._steps, self._transfers
+
+    def _fail_stuck(self, now: float) -> None:
+        for r in self._reqs.values():
+            if r.wr.id not in self._done:
+                self._finish(r, None, now, error="simulation: no KV room anywhere for this request to progress "
+                                                 "(every block held or reserved): a real run ends it by timeout")
+
+    # ---- events ----
+    def _push(self, t: float, kind: str, rid: str) -> None:
+        heapq.heappush(self._events, (t, self._seq, kind, rid))
+        self._seq += 1
+
+    def _event(self, kind: str, rid: str, now: float) -> None:
+        r = self._reqs[rid]
+        params = SamplingParams(max_tokens=r.wr.output_len, ignore_eos=True)
+        if kind == "arrive":
+            r.phases["queued"] = now
+            if not self._of("decode"):
+                w = self._least_loaded("unified")
+                self._give(r, w, now)
+                w.engine.add(rid, r.wr.prompt_ids, params)
+            elif self.mode == "pull":
+                w = self._least_loaded("prefill")
+                self._give(r, w, now)
+                w.engine.add(rid, r.wr.prompt_ids, params)
+            else:  # push: reserve decode blocks first, then prefill writes into them
+                self._waiting_room.append(rid)
+                self._reserve_waiting(now)
+        elif kind == "land":  # the KV is in the decode pool
+            d = self.workers[r.decode]
+            d.clock.advance_to(now)
+            d.engine.admit(rid, r.first)
+            r.phases["admitted"] = now
+            p = self.workers[r.prefill]
+            p.engine.release(rid)
+            p.holds.discard(rid)
+            if self.first_token == "decode":
+                self._token(r, r.first, now)
+            self._reserve_waiting(now)
+
+    def _give(self, r: _Req, w: _Worker, now: float) -> None:
+        w.holds.add(r.wr.id)
+        if w.role != "decode":
+            r.prefill = w.name
+        w.clock.advance_to(now)
+
+    def _reserve_waiting(self, now: float) -> None:
+        """Reserve decode blocks for hand-overs waiting for room, oldest first (as decode workers do). A worker
+        whose free blocks did not grow since a reservation failed there is not asked again (it would fail
+        again: this keeps a long queue at saturation from costing a reservation attempt per step)."""
+        still = []
+        for rid in self._waiting_room:
+            r = self._reqs[rid]
+            d = self.workers[r.decode] if r.decode else self._decode_with_room(self._reqs)
+            if self._full.get(d.name, -1) >= d.engine.blocks.num_free:
+                r.decode = d.name
+                still.append(rid)
+                continue
+            params = SamplingParams(max_tokens=r.wr.output_len, ignore_eos=True)
+            res = d.engine.reserve(rid, r.wr.prompt_ids, r.first if self.mode == "pull" else None, params)
+            if res is None:
+                r.decode = d.name
+                self._full[d.name] = d.engine.blocks.num_free
+                still.append(rid)
+                continue
+            r.decode, r.reservation = d.name, res
+            d.holds.add(rid)
+            if self.mode == "pull":
+                self._start_pull(r, now)
+            else:
+                p = self._least_loaded("prefill")
+                self._give(r, p, now)
+                p.engine.add(rid, r.wr.prompt_ids, params)
+        self._waiting_room = still
+
+    def _start_pull(self, r: _Req, now: float) -> None:
+        d = self.workers[r.decode]
+        skip = r.reservation.cached_blocks
+        blocks = len(r.reservation.block_ids) - skip
+        nbytes = blocks * d.engine.block_bytes
+        end = now + self._transfer_s(nbytes)
+        r.phases.update(transfer_start=now, transfer_end=end)
+        self._transfers.append({**self._tag, "request": r.wr.id, "bytes": nbytes, "blocks": blocks, "start": now,
+                                "end": end, "transport": self.v.deployment.transport, "mode": "pull",
+                                "src": r.prefill, "dst": r.decode, "saved_bytes": skip * d.engine.block_bytes,
+                                "copy_s": end - now})
+        self._push(end, "land", r.wr.id)
+
+    # ---- steps ----
+    def _step(self, w: _Worker, start: float) -> bool:
+        """One engine step of `w` starting at `start`; False when it could schedule nothing."""
+        w.clock.advance_to(start)
+        out = w.engine.step()
+        if out.record is None and not out.tokens:
+            return False
+        end = w.clock.t
+        w.free_at = end
+        if out.record is not None:
+            self._steps.append({**self._tag, "worker": w.name, "role": w.role, **out.record.__dict__})
+        for t in out.tokens:
+            r = self._reqs.get(t.req_id)
+            if r is None:
+                continue
+            if t.error:
+                self._finish(r, w, now=end, error=t.error)
+            elif t.finish_reason == "handoff":
+                self._handoff(r, w, out.record, end)
+            else:
+                self._token(r, t.token_id, end)
+                if t.finished:
+                    r.cached = r.cached or t.cached_tokens
+                    self._finish(r, w, now=end)
+        if w.role == "decode":
+            self._reserve_waiting(end)
+        return True
+
+    def _handoff(self, r: _Req, p: _Worker, record: Any, end: float) -> None:
+        info = p.engine.handoff(r.wr.id)
+        seq_cached = p.engine.sequence(r.wr.id).num_cached
+        r.first, r.cached = info.first_token, seq_cached
+        r.phases.update(prefill_start=p.engine.sequence(r.wr.id).t_first_scheduled, prefill_end=end)
+        if self.first_token == "prefill":
+            self._token(r, info.first_token, end)
+        if self.mode == "pull":
+            self._waiting_room.append(r.wr.id)
+            self._reserve_waiting(end)
+            return
+        d = self.workers[r.decode]
+        skip = r.reservation.cached_blocks
+        blocks = len(r.reservation.block_ids) - skip
+        nbytes = blocks * d.engine.block_bytes
+        c = self._transfer_s(nbytes)
+        step = end - record.start
+        land = max(end + c / self.layers, record.start + step / self.layers + c)  # layer by layer, overlapped
+        r.phases.update(transfer_start=record.start + step / self.layers, transfer_end=land)
+        self._transfers.append({**self._tag, "request": r.wr.id, "bytes": nbytes, "blocks": blocks,
+                                "start": record.start + step / self.layers, "end": land,
+                                "transport": self.v.deployment.transport, "mode": "push", "src": p.name,
+                                "dst": d.name, "saved_bytes": skip * d.engine.block_bytes, "copy_s": c})
+        self._push(land, "land", r.wr.id)
+
+    def _token(self, r: _Req, token: int, t: float) -> None:
+        if not r.tokens:
+            r.phases.setdefault("sent", t)
+        r.tokens.append(t)
+        r.output_ids.append(token)
+
+    def _finish(self, r: _Req, w: Optional[_Worker], now: float, error: Optional[str] = None) -> None:
+        rid = r.wr.id
+        for x in self.workers.values():
+            x.holds.discard(rid)
+        self._done.add(rid)
+        workers = {"prefill": r.prefill, "decode": r.decode} if r.decode else {"unified": r.prefill}
+        self._records.append(build_request_record(
+            variant=self.v.name, rate=self._tag["rate"], id=rid, prompt_ids=r.wr.prompt_ids,
+            output_ids=r.output_ids, arrival=r.arrival, token_times=r.tokens, slo=self.slo, error=error,
+            phases=r.phases, workers=workers, cached_tokens=r.cached, warmup=bool(self._tag.get("warmup")),
+            repeat=self._tag["repeat"], delivery_lag=[0.0] * len(r.tokens)))

@@ -1,0 +1,147 @@
+"""The virtual-time simulator: the real engine on a virtual clock reproduces queueing theory, places and
+hands over like the router, writes a run's records, and runs fast."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import yaml
+
+from pdlab.measure.summary import summarize_run
+from pdlab.recipe import parse_recipe
+from pdlab.sim.experiment import simulate_recipe
+from pdlab.sim.simulator import Simulator
+from pdlab.workload import build_requests, build_workload
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PREFILL = {"fixed_ms": 2, "prefill_token_ms": 2, "decode_seq_ms": 4}  # a 40-token prompt: 82 ms
+
+
+def recipe(deployments, **over):
+    raw = {"model": {"preset": "tiny-llama", "timing": PREFILL},
+           "engine": {"block_size": 8, "kv_blocks": 256, "token_budget": 256, "max_running": 16},
+           "workload": {"requests": 50, "input_len": {"kind": "fixed", "value": 40},
+                        "output_len": {"kind": "fixed", "value": 8}},
+           "rates": [2], "slo": {"ttft_ms": 1000, "itl_ms": 50},
+           "variants": {k: {"deployment": d} for k, d in deployments.items()}}
+    raw.update(over)
+    return parse_recipe(raw)
+
+
+UNIFIED = {"unified": {"devices": ["cpu:0"]}}
+PULL = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "pull"}
+PUSH = dict(PULL, mode="push")
+
+
+@pytest.mark.parametrize("rho", [0.2, 0.5, 0.8])
+def test_a_single_prefill_server_is_md1(rho):
+    """One unified worker, one prompt per step, one output token: an M/D/1 queue, W = D + rho D / 2(1 - rho)."""
+    r = recipe({"u": UNIFIED}, engine={"block_size": 8, "kv_blocks": 256, "token_budget": 40, "max_running": 16},
+               workload={"requests": 4000, "input_len": {"kind": "fixed", "value": 40},
+                         "output_len": {"kind": "fixed", "value": 1}})
+    v = r.resolved("u")
+    d = 0.082
+    rate = rho / d
+    reqs = build_requests(v.workload, rate, seed=1, vocab_size=512)
+    recs, steps, _ = Simulator(v, v.slo).run(reqs, rate)
+    measured = float(np.mean([x["ttft"] for x in recs]))
+    predicted = d + rho * d / (2 * (1 - rho))
+    assert abs(measured - predicted) / predicted < 0.05, (rho, measured, predicted)
+    assert all(abs(s["end"] - s["start"] - d) < 1e-9 for s in steps)  # every step takes exactly its model
+
+
+def test_disaggregated_hands_over_and_matches_unified_tokens():
+    timing = dict(PREFILL)
+    r = recipe({"u": UNIFIED, "pull": PULL, "push": PUSH},
+               model={"preset": "tiny-llama", "timing": {"name": "t", "step": timing, "kv_bytes_per_token": 512,
+                                                          "transfer": {"shm": {"gbps": 0.001, "latency_ms": 5}}}})
+    out = {}
+    for name in r.variant_names:
+        v = r.resolved(name)
+        reqs = build_requests(v.workload, 2.0, seed=0, vocab_size=512)
+        recs, steps, xfers = Simulator(v, v.slo).run(reqs, 2.0)
+        out[name] = ({x["id"]: x["output_ids"] for x in recs}, recs, xfers)
+    assert out["u"][0] == out["pull"][0] == out["push"][0]
+    assert all(len(v) == 8 for v in out["u"][0].values())
+    # pull: 5 blocks of 8 tokens x 512 bytes at 1 MB/s + 5 ms = 25.5 ms after prefill, all exposed in TTFT
+    for x in out["pull"][2]:
+        assert x["bytes"] == 20480 and x["end"] - x["start"] == pytest.approx(0.005 + 0.02048)
+    pull = {x["id"]: x for x in out["pull"][1]}
+    push = {x["id"]: x for x in out["push"][1]}
+    # push overlaps the copy with the 82 ms prefill (2 layers): less of it reaches TTFT
+    assert np.mean([push[i]["ttft"] for i in push]) < np.mean([pull[i]["ttft"] for i in pull])
+    for x in out["pull"][1]:
+        ph = x["phases"]
+        assert ph["queued"] <= ph["prefill_start"] <= ph["prefill_end"] <= ph["transfer_start"]
+        assert ph["transfer_end"] == pytest.approx(ph["admitted"]) and x["decode_worker"] == "decode0"
+
+
+def test_a_recipe_simulates_with_search_repeats_and_a_relative_slo():
+    r = recipe({"u": UNIFIED, "push": PUSH}, rates="auto", repeats=2, search={"max_trials": 4},
+               slo={"ttft": "5x", "itl": "5x", "itl_stat": "max"})
+    res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
+    assert res.slo.ttft_ms == pytest.approx(5 * res.facts["alone"]["ttft_ms"])
+    s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: "auto" for n in r.variant_names},
+                      **res.facts)
+    for name in ("u", "push"):
+        g = s["variants"][name]["goodput"]
+        assert g["n"] == 2 and g["mean"] > 0 and s["variants"][name]["mode"] == "search"
+        assert s["modelled"][name].startswith("simulated in virtual time; modelled timing: inline step model")
+
+
+def test_the_simulator_is_fast():
+    """A 100-request x 10-rate x 4-variant experiment in seconds (the benchmark records steps per second)."""
+    r = recipe({"u": UNIFIED, "pull": PULL, "push": PUSH, "u2": {"unified": {"replicas": 2, "devices": ["cpu:0-1"]}}},
+               engine={"block_size": 8, "kv_blocks": 4096, "token_budget": 256, "max_running": 16},
+               workload={"requests": 100, "input_len": {"kind": "uniform", "min": 20, "max": 60},
+                         "output_len": {"kind": "fixed", "value": 32}},
+               rates=[0.5, 1, 2, 3, 4, 5, 6, 8, 10, ".inf"])
+    t = time.perf_counter()
+    res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
+    assert time.perf_counter() - t < 30 and len(res.requests) == 4000 + 0  # no warm-up in virtual time
+
+
+def test_a_kv_deadlock_ends_in_failed_requests_not_a_hang():
+    """Push at saturation with a small decode pool: reservations for queued prefills hold every block the
+    running decodes need to grow. A real run ends this by timeout; the simulator fails what is stuck."""
+    r = recipe({"push": PUSH}, engine={"block_size": 8, "kv_blocks": 64, "token_budget": 256, "max_running": 16},
+               workload={"requests": 100, "input_len": {"kind": "uniform", "min": 20, "max": 60},
+                         "output_len": {"kind": "fixed", "value": 32}})
+    v = r.resolved("push")
+    recs, _, _ = Simulator(v, v.slo).run(build_requests(v.workload, math.inf, seed=0, vocab_size=512), math.inf)
+    assert len(recs) == 100
+    stuck = [x for x in recs if not x["ok"]]
+    assert stuck and all("no KV room anywhere" in x["error"] for x in stuck)
+
+
+@pytest.mark.slow
+def test_run_simulate_writes_a_run_directory(tmp_path):
+    raw = {"model": {"preset": "tiny-llama", "timing": PREFILL}, "rates": [2, ".inf"],
+           "engine": {"block_size": 8, "kv_blocks": 256, "token_budget": 256},
+           "workload": {"requests": 20, "input_len": {"kind": "fixed", "value": 40},
+                        "output_len": {"kind": "fixed", "value": 8}},
+           "slo": {"ttft_ms": 1000, "itl_ms": 50},
+           "variants": {"u": {"deployment": UNIFIED}, "pull": {"deployment": PULL}}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    out = str(tmp_path / "run")
+    p = subprocess.run([sys.executable, "-c", "from pdlab.commands.run import main; import sys; "
+                        f"sys.exit(main({str(tmp_path / 'r.yaml')!r}, [], {out!r}, None, simulate=True))"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 0, p.stderr
+    s = json.load(open(os.path.join(out, "summary.json")))
+    assert set(s["modelled"]) == {"u", "pull"} and "simulated" in s["modelled"]["u"]
+    assert "MODELLED u: simulated in virtual time" in p.stdout
+    reqs = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl"))]
+    assert len(reqs) == 2 * 2 * 20 and all(x["ok"] for x in reqs)
+    real = {k: v for k, v in raw.items()}
+    real["model"] = {"preset": "tiny-llama"}
+    (tmp_path / "real.yaml").write_text(yaml.safe_dump(real))
+    p = subprocess.run([sys.executable, "-c", "from pdlab.commands.run import main; import sys; "
+                        f"sys.exit(main({str(tmp_path / 'real.yaml')!r}, [], {str(tmp_path / 'x')!r}, None, "
+                        "simulate=True))"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and "has no model.timing; give it a profile" in p.stderr

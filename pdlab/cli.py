@@ -117,5 +117,26 @@ def generate(
     raise typer.Exit(main(model, prompts, prompt_len, max_tokens, device, seed))
 
 
+@app.command(cls=_Command)
+def profile(
+    model: str = typer.Option("cpu-demo", "--model", metavar="NAME|DIR", help="Preset name or local model directory"),
+    device: str = typer.Option("cpu", "--device", metavar="DEVICE", help="cpu or cuda:N"),
+    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE",
+                                        help="float32, bfloat16, float16 (default: float32 on cpu, bfloat16 on "
+                                             "cuda)"),
+    out: Optional[str] = typer.Option(None, "--out", metavar="FILE",
+                                      help="Profile YAML to write (default: profiles/<model>-<device>.yaml)"),
+    steps: int = typer.Option(400, "--steps", metavar="N",
+                              help="Engine steps to measure, about (cpu-demo on one core: about a minute)"),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the designed steps, prompts and split"),
+    threads: Optional[int] = typer.Option(None, "--threads", metavar="N",
+                                          help="torch threads (default: 1 on cpu, as a worker on one core)"),
+) -> None:
+    """Measure this device's engine steps and KV transfers; fit and write a timing profile (model.timing)."""
+    from pdlab.commands.profile import main
+
+    raise typer.Exit(main(model, device, dtype, out, steps, seed, threads))
+
+
 if __name__ == "__main__":
     app()

@@ -1,0 +1,232 @@
+"""`pdlab profile`: the NNLS fit recovers known step models, measured steps carry the timed engine's counts,
+the written profile loads and round-trips, and the command runs end to end on a tiny model. Timing accuracy
+is not asserted here (a unit test on a shared box cannot hold it): BENCHMARKS.md has the measured errors."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from pdlab.cli import app
+from pdlab.commands.profile import default_out, main
+from pdlab.recipe import RecipeError, TimingProfile, load_profile
+from pdlab.recipe.timing import shipped_profiles
+from pdlab.timing.fit import (KINDS, TERMS, StepSample, by_kind, errors, fit_steps, fit_transfer, nnls,
+                              split_by_case)
+from pdlab.timing.measure import Case, Limits, design, run_case
+from pdlab.timing.write import profile_raw, write_profile
+
+TRUE = {"fixed_ms": 2.0, "prefill_token_ms": 0.05, "prefill_attention_ms": 0.03, "decode_seq_ms": 0.15,
+        "context_token_ms": 0.0004}
+
+
+def synthetic(n: int = 300, seed: int = 0, noise: float = 0.0, coef: dict = TRUE) -> list[StepSample]:
+    """Steps of all three kinds over a range like the designed one, timed by `coef` (times multiplicative noise)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        kind = KINDS[i % 3]
+        pre = int(rng.integers(1, 2048)) if kind != "decode" else 0
+        start = int(rng.integers(0, 3000)) if kind != "decode" else 0
+        pairs = pre * start + pre * (pre + 1) // 2
+        dec = int(rng.integers(1, 64)) if kind != "prefill" else 0
+        ctx = dec * int(rng.integers(16, 3000))
+        ms = (coef["fixed_ms"] + coef["prefill_token_ms"] * pre + coef["prefill_attention_ms"] * pairs / 1000
+              + coef["decode_seq_ms"] * dec + coef["context_token_ms"] * ctx)
+        ms *= 1 + noise * rng.standard_normal()
+        out.append(StepSample(pre, dec, ctx, pairs, ms, case=i // 4))
+    return out
+
+
+# ---- the fit ----
+
+def test_nnls_matches_a_brute_force_search_over_active_sets():
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        m, n = int(rng.integers(3, 25)), int(rng.integers(1, 6))
+        a = rng.normal(size=(m, n)) * 10.0 ** rng.uniform(-3, 3, size=n)  # columns of very different scales
+        b = rng.normal(size=m)
+        x = nnls(a, b)
+        assert (x >= 0).all()
+        best = np.inf
+        for r in range(n + 1):
+            for s in itertools.combinations(range(n), r):
+                z = np.zeros(n)
+                if s:
+                    z[list(s)] = np.linalg.lstsq(a[:, list(s)], b, rcond=None)[0]
+                if (z >= 0).all():
+                    best = min(best, float(np.linalg.norm(a @ z - b)))
+        assert np.linalg.norm(a @ x - b) <= best * (1 + 1e-7) + 1e-12
+
+
+def test_nnls_clips_where_least_squares_goes_negative():
+    a = np.array([[1.0, 1.0], [1.0, 2.0], [1.0, 3.0]])
+    b = np.array([3.0, 2.0, 1.0])  # slope -1: least squares says [4, -1]
+    assert np.allclose(np.linalg.lstsq(a, b, rcond=None)[0], [4, -1])
+    assert np.allclose(nnls(a, b), [2.0, 0.0])  # the best with slope >= 0: the mean
+    assert np.allclose(nnls(np.zeros((3, 2)), b), 0.0)  # zero columns: coefficient 0
+
+
+def test_fit_recovers_exact_coefficients():
+    coef = fit_steps(synthetic())
+    for k in TERMS:
+        assert coef[k] == pytest.approx(TRUE[k], rel=1e-6), k
+    e = errors(coef, synthetic(seed=5))
+    assert e["mape_pct"] < 1e-4 and e["max_pct"] < 1e-4 and e["r2"] == pytest.approx(1.0)
+
+
+def test_fit_recovers_a_zero_term_as_zero():
+    truth = dict(TRUE, context_token_ms=0.0)
+    coef = fit_steps(synthetic(coef=truth))
+    assert coef["context_token_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert coef["fixed_ms"] == pytest.approx(2.0, rel=1e-6)
+
+
+def test_fit_on_noisy_steps_is_close():
+    train, test = synthetic(600, seed=2, noise=0.05), synthetic(300, seed=3, noise=0.05)
+    coef = fit_steps(train)
+    for k in TERMS:
+        assert coef[k] == pytest.approx(TRUE[k], rel=0.1), k
+    e = errors(coef, test)
+    assert 2 < e["mape_pct"] < 6 and e["r2"] > 0.98  # about the noise's own 4% mean absolute deviation
+    kinds = by_kind(coef, test)
+    assert set(kinds) == set(KINDS) and all(kinds[k]["steps"] == 100 for k in KINDS)
+
+
+def test_split_is_by_case_with_every_kind_on_both_sides():
+    s = synthetic(120)
+    case_kinds = {c: KINDS[c % 3] for c in range(30)}
+    s = [StepSample(x.prefill_tokens, x.decode_seqs, x.context_tokens, x.prefill_pairs, x.ms, case=i % 30)
+         for i, x in enumerate(s)]
+    train, test = split_by_case(s, case_kinds, 0.3, np.random.default_rng(0))
+    assert len(train) + len(test) == len(s)
+    assert not {x.case for x in train} & {x.case for x in test}
+    for side in (train, test):
+        assert {case_kinds[x.case] for x in side} == set(KINDS)
+    assert 0.2 < len(test) / len(s) < 0.4
+
+
+def test_transfer_fit():
+    sizes = [1e6, 4e6, 16e6]
+    gbps, lat = fit_transfer(sizes, [0.0002 + b / 10e9 for b in sizes])
+    assert gbps == pytest.approx(10.0, rel=1e-6) and lat == pytest.approx(0.2, rel=1e-6)
+    with pytest.raises(ValueError):
+        fit_transfer([1e6], [0.001])
+
+
+# ---- measuring ----
+
+def test_design_covers_every_kind():
+    lim = Limits.for_device("cpu", 2048)
+    cases = design(40, lim, np.random.default_rng(0))
+    assert sum(c.expected_steps for c in cases) >= 40
+    for k in KINDS:
+        assert sum(c.kind == k for c in cases) >= 2
+    assert all(max(c.prompts + c.decoders) <= lim.max_context for c in cases)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from pdlab.engine import load_model
+
+    return load_model("tiny-llama")
+
+
+def test_measured_steps_carry_the_timed_engines_counts(tiny):
+    rng = np.random.default_rng(0)
+    pre = run_case(tiny, Case("prefill", 64, True, (150,), (), 16), rng, case_id=7)
+    assert [(s.prefill_tokens, s.decode_seqs, s.context_tokens) for s in pre] == [(64, 0, 0), (64, 0, 0), (22, 0, 0)]
+    assert [s.prefill_pairs for s in pre] == [64 * 65 // 2, 64 * 64 + 64 * 65 // 2, 22 * 128 + 22 * 23 // 2]
+    assert all(s.case == 7 and s.kind == "prefill" and s.ms > 0 for s in pre)
+    dec = run_case(tiny, Case("decode", 64, True, (), (100, 40), 3), rng)
+    # a decode of a request holding c tokens attends c + 1 (its new token's KV is written first)
+    assert [(s.prefill_tokens, s.decode_seqs, s.context_tokens, s.prefill_pairs) for s in dec] == \
+        [(0, 2, 142, 0), (0, 2, 144, 0), (0, 2, 146, 0)]
+    mixed = run_case(tiny, Case("mixed", 128, True, (200,), (50, 60, 70), 10), rng)
+    assert [(s.prefill_tokens, s.decode_seqs) for s in mixed] == [(125, 3), (75, 3)]  # stops once prefilled
+    assert mixed[0].context_tokens == 51 + 61 + 71 and mixed[1].prefill_pairs == 75 * 125 + 75 * 76 // 2
+
+
+# ---- the profile file ----
+
+def raw_profile(**over) -> dict:
+    raw = profile_raw(name="t", source="measured", device="a CPU, 1 thread", date="2026-11-30", model="tiny-llama",
+                      step={k: v * 1.0000123 for k, v in TRUE.items()}, kv_bytes_per_token=512, kv_memory_gb=2.147,
+                      transfer={"shm": {"gbps": 12.345678, "latency_ms": 0.0123456}},
+                      fit={"train_steps": 10, "test_steps": 5, "held_out": {"mape_pct": 4.56789, "r2": None}})
+    raw.update(over)
+    return raw
+
+
+def test_written_profile_loads_and_round_trips(tmp_path):
+    path = write_profile(str(tmp_path / "sub" / "p.yaml"), raw_profile(), header="a comment\nover two lines")
+    text = open(path).read()
+    assert text.startswith("# a comment\n# over two lines\n")
+    plain = yaml.safe_load(text)  # readable without pdlab
+    assert plain["step"]["fixed_ms"] == 2.0 and plain["transfer"]["shm"]["gbps"] == 12.35  # 4 significant digits
+    t = load_profile(path)
+    assert (t.name, t.source, t.model, t.kv_bytes_per_token, t.kv_memory_gb) == ("t", "measured", "tiny-llama", 512,
+                                                                                    2.147)
+    assert t.step.prefill_token_ms == 0.05 and t.transfer_of("shm").latency_ms == 0.01235
+    assert t.fit["held_out"] == {"mape_pct": 4.568, "r2": None}
+    assert TimingProfile.from_raw(t.to_raw(), "again") == t
+    assert t.describe() == "modelled timing: profile t (measured, a CPU, 1 thread, 2026-11-30)"
+
+
+def test_a_profile_with_a_missing_key_is_one_line_error(tmp_path):
+    raw = raw_profile(transfer={"shm": {"latency_ms": 0.1}})
+    p = tmp_path / "bad.yaml"
+    p.write_text(yaml.safe_dump(raw))
+    with pytest.raises(RecipeError) as e:
+        load_profile(str(p))
+    assert str(e.value) == f"model.timing ({p}).transfer.shm.gbps: missing; expected a number > 0 (GB/s, 1e9 bytes)"
+    with pytest.raises(RecipeError):  # the writer checks before it writes
+        write_profile(str(tmp_path / "never.yaml"), raw)
+    assert not (tmp_path / "never.yaml").exists()
+
+
+def test_shipped_profiles():
+    names = shipped_profiles()
+    assert {"cpu-demo-2core", "h200-0.6b-analytic"} <= set(names)
+    cpu = load_profile("cpu-demo-2core")
+    assert cpu.source == "measured" and cpu.model == "cpu-demo" and cpu.transfer_of("shm") is not None
+    assert cpu.fit["test_steps"] > 0 and {"mape_pct", "p90_pct", "max_pct", "r2"} <= set(cpu.fit["held_out"])
+    gpu = load_profile("h200-0.6b-analytic")
+    assert gpu.source == "analytic" and gpu.model == "gpu-0.6b" and gpu.kv_bytes_per_token == 57344
+    assert {k for k, _ in gpu.transfer} == {"cuda-ipc", "host", "nixl"}
+
+
+# ---- the command ----
+
+def test_profile_command_on_a_tiny_model(tmp_path, capsys):
+    out = tmp_path / "tiny.yaml"
+    threads = torch.get_num_threads()
+    assert main(model="tiny-llama", steps=24, out=str(out), seed=3) == 0
+    assert torch.get_num_threads() == threads  # restored
+    printed = capsys.readouterr().out
+    assert "held-out error" in printed and f"wrote {out}" in printed
+    t = load_profile(str(out))
+    assert t.source == "measured" and t.model == "tiny-llama" and t.name == "tiny"
+    assert t.kv_bytes_per_token == 512  # 2 layers x K,V x 2 KV heads x 16 dims x 4 bytes
+    assert t.kv_memory_gb > 0 and t.transfer_of("shm").gbps > 0
+    assert any(getattr(t.step, k) > 0 for k in TERMS)
+    f = t.fit
+    assert f["train_steps"] > 0 and f["test_steps"] > 0
+    assert f["train_steps"] + f["test_steps"] == sum(f["steps_by_kind"].values()) >= 24
+    assert {"mape_pct", "p90_pct", "max_pct", "r2"} <= set(f["held_out"])
+    assert set(f["held_out_by_kind"]) == set(KINDS)
+    assert f["dtype"] == "float32" and f["threads"] == 1
+
+
+def test_profile_command_line(tmp_path):
+    r = CliRunner().invoke(app, ["profile", "--help"])
+    assert r.exit_code == 0 and "--steps" in r.output and "--out" in r.output
+    r = CliRunner().invoke(app, ["profile", "--model", "tiny-llama", "--steps", "3", "--out", str(tmp_path / "x.yaml")])
+    assert r.exit_code == 2 and "--steps must be at least" in r.output
+    r = CliRunner().invoke(app, ["profile", "--model", "no-such-model", "--steps", "20"])
+    assert r.exit_code == 2 and "error:" in r.output and r.output.count("\n") == 1
+    assert default_out("cpu-demo", "cpu") == "profiles/cpu-demo-cpu.yaml"
+    assert default_out("/models/Qwen3-0.6B/", "cuda:0") == "profiles/Qwen3-0.6B-cuda0.yaml"

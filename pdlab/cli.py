@@ -59,11 +59,13 @@ def run(
                                                                           "runs/<recipe>-<time>)"),
     variants: Optional[str] = typer.Option(None, "--variants", metavar="A,B", help="Run only these variants "
                                                                                    "(comma-separated)"),
+    simulate: bool = typer.Option(False, "--simulate", help="Run in virtual time (pdlab's simulator) instead of "
+                                                            "on worker processes; every variant needs model.timing"),
 ) -> None:
     """Run every variant of a recipe at every rate; prints the run directory."""
     from pdlab.commands.run import main
 
-    raise typer.Exit(main(recipe, set_ or [], out, variants))
+    raise typer.Exit(main(recipe, set_ or [], out, variants, simulate))
 
 
 @app.command(cls=_Command)
@@ -136,6 +138,26 @@ def profile(
     from pdlab.commands.profile import main
 
     raise typer.Exit(main(model, device, dtype, out, steps, seed, threads))
+
+
+@app.command(cls=_Command)
+def plan(
+    recipe: str = typer.Argument(..., metavar="RECIPE", help="Recipe YAML file (its first variant's model, "
+                                                             "timing, engine, workload and SLO)"),
+    devices: int = typer.Option(4, "--devices", metavar="N", help="Device budget: one device per worker"),
+    modes: str = typer.Option("push", "--modes", metavar="LIST", help="Hand-over modes to try: pull, push or "
+                                                                       "pull,push"),
+    validate: int = typer.Option(2, "--validate", metavar="K", help="Run the best K for real (worker processes, "
+                                                                    "the same timing) and compare; 0: none"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help="Override a recipe key"),
+    out: Optional[str] = typer.Option(None, "--out", metavar="DIR", help="Where the validation run goes "
+                                                                         "(default: runs/<recipe>-plan-<time>)"),
+    json_: bool = typer.Option(False, "--json", help="Machine-readable output (JSON on stdout)"),
+) -> None:
+    """Rank deployments for a device budget by simulated goodput; validate the best by real runs."""
+    from pdlab.commands.plan import main
+
+    raise typer.Exit(main(recipe, set_ or [], devices, modes, validate, out, json_))
 
 
 if __name__ == "__main__":

@@ -196,7 +196,8 @@ def test_shipped_profiles():
     assert cpu.fit["test_steps"] > 0 and {"mape_pct", "p90_pct", "max_pct", "r2"} <= set(cpu.fit["held_out"])
     gpu = load_profile("h200-0.6b-analytic")
     assert gpu.source == "analytic" and gpu.model == "gpu-0.6b" and gpu.kv_bytes_per_token == 57344
-    assert {k for k, _ in gpu.transfer} == {"cuda-ipc", "host", "nixl"}
+    assert {k for k, _ in gpu.transfer} == {"cuda-ipc", "host", "nixl", "shm"}  # shm: timed workers on a CPU box
+    assert gpu.transfer_of("shm") == gpu.transfer_of("cuda-ipc")
 
 
 # ---- the command ----

@@ -217,3 +217,12 @@ def test_shipped_recipes_validate(path):
     assert r.variant_names
     for v in r.variant_names:
         r.resolved(v)
+
+
+def test_a_relative_slo_round_trips_through_recipe_yaml(tmp_path):
+    r = parse_recipe(BASE, sets=["slo={ttft: 10x, itl: 2.5x, itl_stat: max}"])
+    assert r.slo.ttft == 10.0 and r.slo.itl == 2.5 and r.slo.ttft_ms is None
+    p = tmp_path / "recipe.yaml"
+    p.write_text(dump_recipe(r))
+    assert "10x" in p.read_text() and "2.5x" in p.read_text()
+    assert load_recipe(str(p)).slo == r.slo

@@ -67,7 +67,8 @@ class TimedRunner:
             raise TypeError(f"a timing must have a step_s(prefill_tokens, decode_seqs, context_tokens, "
                             f"prefill_pairs) method, got {type(timing).__name__}")
         self.timing, self.layers, self.vocab, self.eos = timing, layers, vocab_size, eos_ids
-        self.wait = wait or wait_until
+        # no spin: timed workers share a few cores, where spinning steals the time of the others
+        self.wait = wait or (lambda deadline: wait_until(deadline, spin_s=0.0))
         self.layer_hook: Optional[Callable[[int], None]] = None
         self._hash: dict[str, int] = {}
 

@@ -49,6 +49,13 @@ class SLO(Section):
             slo = slo.replace(itl_ms=DEFAULT_ITL_MS)
         return slo
 
+    def to_raw(self) -> dict:
+        raw = super().to_raw()
+        for k in ("ttft", "itl"):  # written as a recipe says it, so recipe.yaml loads back
+            if raw[k] is not None:
+                raw[k] = f"{raw[k]:g}x"
+        return raw
+
     @property
     def relative(self) -> bool:
         """Some target is a multiple of a measurement still to be made."""

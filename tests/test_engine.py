@@ -247,3 +247,15 @@ def test_blocks_of_growing_requests_stay_contiguous():
         for s in eng.seqs.values():
             seen[s.req_id] = (s.contiguous, len(s.block_table))
     assert all(c for c, _ in seen.values()), seen
+
+
+def test_a_reservation_leaves_a_block_per_held_request():
+    """Decode role: reserved blocks cannot be preempted while their KV is in transit, so a reservation that
+    took the last free blocks could leave the running requests no block to grow into."""
+    eng = engine(role="decode", block_size=16, kv_blocks=7)
+    p = prompts([48, 48], seed=3)  # 3 blocks each
+    assert eng.reserve("a", p[0], 5, SamplingParams(max_tokens=4)) is not None  # 4 free after, for 1 request
+    assert eng.reserve("b", p[1], 5, SamplingParams(max_tokens=4)) is None  # 1 free after, for 2: no
+    assert eng.blocks.num_free == 4
+    eng.cancel_reservation("a")
+    eng.check_idle()

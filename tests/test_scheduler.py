@@ -148,3 +148,22 @@ def test_prefix_hit_is_counted_and_skipped():
     b = add(s, "b", 14, base=0)  # same first 12 tokens
     batch = s.schedule()
     assert batch.num_tokens[-1] == 2 and b.num_cached == 12
+
+
+def test_admitted_requests_run_past_a_head_that_needs_more_blocks_than_are_free():
+    """Decode role: requests admitted after a hand-over wait holding their KV blocks. A preempted request at the
+    head of the queue needing a full recompute must not stop them: they need a block at most."""
+    s = make(num_blocks=6, block_size=4, token_budget=64)
+    head = add(s, "head", 12)  # needs 3 blocks: only 2 will be free
+    held = []
+    for i in range(2):
+        seq = Sequence(f"held{i}", list(range(200 + 10 * i, 205 + 10 * i)), SamplingParams())  # 5 tokens
+        s.blocks.allocate(seq, 5)
+        seq.num_computed = 5
+        seq.output_ids.append(7)  # admitted with its first token: decodes next
+        s.add(seq)
+        held.append(seq)
+    assert s.blocks.num_free == 2 and list(s.waiting)[0] is head
+    batch = s.schedule()
+    assert [x.req_id for x in batch.seqs] == ["held0", "held1"] and batch.decode == [True, True]
+    assert list(s.waiting) == [head]

@@ -294,7 +294,12 @@ class Engine:
         if first_token is not None:
             seq.output_ids.append(first_token)
         hits = self.blocks.match_prefix(seq.prompt_ids, seq.prompt_len)
-        if not self.blocks.can_allocate(seq, seq.prompt_len, hits):
+        # Headroom: after this reservation every sequence held here (this one included) must still find a
+        # block to grow into. A reservation's blocks cannot be preempted while its KV is in transit, so
+        # reservations that took the last blocks could leave the running requests nowhere to go.
+        reusable = sum(1 for b in hits if self.blocks.ref[b] == 0)  # cached, unreferenced: counted as free now
+        free_after = self.blocks.num_free - reusable - (self.blocks.blocks_needed(seq, seq.prompt_len) - len(hits))
+        if not self.blocks.can_allocate(seq, seq.prompt_len, hits) or free_after < len(self.seqs) + 1:
             return None
         self.blocks.take_prefix(seq, hits)
         self.blocks.allocate(seq, seq.prompt_len)

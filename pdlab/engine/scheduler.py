@@ -91,16 +91,25 @@ class Scheduler:
             break  # seq preempted itself: nothing later in the list can run either
         if batch.preempted:
             return batch
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running:
-            seq = self.waiting[0]
+        # New requests are admitted in arrival order: one that does not fit stops the admission of those behind
+        # it. Waiting sequences that already hold their KV blocks (decode role: admitted after a hand-over)
+        # may still run past it: they need a block at most, and if they waited behind a preempted sequence
+        # that needs more blocks than are free, nothing would ever free any (a deadlock).
+        held_only = False
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_running:
+                break
+            if held_only and not seq.block_table:
+                continue
             hits = self._prefix_hits(seq)
             computed = seq.num_computed + len(hits) * self.blocks.block_size
             decode = seq.is_decode
             n = 1 if decode else self._chunk(seq, budget, computed)
             if n == 0 or not self.blocks.can_allocate(seq, computed + n, hits):
                 self._fail_if_too_big(seq, batch)
-                break
-            self.waiting.popleft()
+                held_only = True
+                continue
+            self.waiting.remove(seq)
             if hits:
                 self.blocks.take_prefix(seq, hits)
                 seq.num_computed = computed

@@ -35,6 +35,20 @@ def test_directory_without_a_model(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_a_stand_in_only_preset_gives_dims_but_never_weights():
+    from pdlab.engine.model import load_stand_in, model_dims
+
+    assert PRESETS["qwen3-235b-a22b"].stand_in_only
+    for spec in ("qwen3-235b-a22b", {"preset": "qwen3-235b-a22b", "dtype": "bfloat16"}):
+        with pytest.raises(ModelLoadError) as e:
+            load_model(spec)
+        assert str(e.value) == ("preset qwen3-235b-a22b has the dimensions of a 235B model only: use it with "
+                                "model.timing (a timed engine or the simulator)")
+    d = model_dims(load_stand_in({"preset": "qwen3-235b-a22b", "dtype": "bfloat16"}))
+    assert (d["layers"], d["kv_heads"], d["head_dim"], d["vocab_size"]) == (94, 4, 128, 151936)  # head_dim != 4096/64
+    assert model_dims(load_stand_in("gpu-0.6b"))["head_dim"] == 64  # the others keep hidden // heads
+
+
 def test_bad_dtype():
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         load_model({"preset": "tiny-llama", "dtype": "int3"})

@@ -226,3 +226,9 @@ def test_a_relative_slo_round_trips_through_recipe_yaml(tmp_path):
     p.write_text(dump_recipe(r))
     assert "10x" in p.read_text() and "2.5x" in p.read_text()
     assert load_recipe(str(p)).slo == r.slo
+
+
+def test_a_stand_in_only_preset_needs_a_timing():
+    assert "qwen3-235b-a22b has a model's dimensions only" in err(BASE, "model.preset=qwen3-235b-a22b")
+    r = parse_recipe(BASE, sets=["model={preset: qwen3-235b-a22b, timing: mi300x-qwen3-235b-fp8-tp4-analytic}"])
+    assert r.resolved("unified").model.modelled

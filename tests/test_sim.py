@@ -159,3 +159,22 @@ def test_run_simulate_writes_a_run_directory(tmp_path):
                         f"sys.exit(main({str(tmp_path / 'real.yaml')!r}, [], {str(tmp_path / 'x')!r}, None, "
                         "simulate=True))"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert p.returncode == 2 and "has no model.timing; give it a profile" in p.stderr
+
+
+def test_the_mori_table_shows_the_essays_pattern_at_8_req_s():
+    """recipes/mori-table.yaml, cut to 30 requests at 8 req/s: unified misses on ITL only (prefills stall
+    every running request), disaggregated has no ITL miss and no prefill interruption, and pays in TTFT."""
+    from pdlab.measure.slo import miss_kind
+
+    with open(f"{ROOT}/recipes/mori-table.yaml") as f:
+        raw = yaml.safe_load(f)
+    raw.update(rates=[8], repeats=1, warmup=0)
+    raw["workload"]["requests"] = 30
+    r = parse_recipe(raw)
+    res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
+    by = {n: [x for x in res.requests if x["variant"] == n and x["rate"] == 8] for n in r.variant_names}
+    kinds = {n: {miss_kind(x) for x in recs} - {None} for n, recs in by.items()}
+    assert kinds["unified-2xTP4"] == {"itl_only"} and kinds["unified-1xTP8"] <= {"itl_only"}
+    assert kinds["disagg-read"] == kinds["disagg-write"] == set()
+    ttft = {n: float(np.median([x["ttft"] for x in recs])) for n, recs in by.items()}
+    assert ttft["disagg-read"] > ttft["unified-2xTP4"] and ttft["disagg-write"] > ttft["unified-2xTP4"]

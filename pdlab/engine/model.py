@@ -31,6 +31,10 @@ class Preset:
     max_position_embeddings: int
     init_std: float
     eos_token_id: int = 2
+    head_dim: Optional[int] = None  # None: hidden_size // heads
+    # the dimensions of a model too large to build here: a config for a timed engine or the simulator
+    # (load_stand_in, model_config), never weights (load_model refuses it)
+    stand_in_only: bool = False
 
 
 PRESETS: dict[str, Preset] = {
@@ -42,6 +46,12 @@ PRESETS: dict[str, Preset] = {
     "cpu-demo": Preset("llama", 4096, 256, 4, 8, 2, 768, 4096, 0.04),
     # GPU benchmark shape (~0.6B parameters, Qwen3-0.6B-like)
     "gpu-0.6b": Preset("qwen3", 151936, 1024, 28, 16, 8, 3072, 40960, 0.02),
+    # Qwen3-235B-A22B's attention and KV dimensions (94 layers, 64 query heads, 4 KV heads, head_dim 128 !=
+    # 4096 / 64), for timed runs with the mi300x-qwen3-235b-fp8-* profiles. Its MoE (128 experts of width
+    # 1536, 8 per token) is not represented: a stand-in uses only the KV shape and the vocabulary;
+    # intermediate_size is the config's dense value, unused by the real model.
+    "qwen3-235b-a22b": Preset("qwen3", 151936, 4096, 94, 64, 4, 12288, 40960, 0.02, head_dim=128,
+                              stand_in_only=True),
 }
 
 
@@ -57,13 +67,14 @@ def preset_config(name: str) -> Any:
         max_position_embeddings=p.max_position_embeddings, initializer_range=p.init_std,
         eos_token_id=p.eos_token_id, bos_token_id=1, pad_token_id=0, tie_word_embeddings=False,
     )
+    head_dim = p.head_dim or p.hidden_size // p.heads
     if p.arch == "llama":
         from transformers import LlamaConfig
 
-        return LlamaConfig(**common)
+        return LlamaConfig(**common, **({"head_dim": head_dim} if p.head_dim else {}))
     from transformers import Qwen3Config
 
-    return Qwen3Config(head_dim=p.hidden_size // p.heads, **common)
+    return Qwen3Config(head_dim=head_dim, **common)
 
 
 def _torch_dtype(dtype: str) -> Any:
@@ -92,6 +103,9 @@ def load_model(spec: Any, dtype: str = "float32", device: str = "cpu", seed: int
         device = _field(spec, "device") or device
         seed = _field(spec, "seed") if _field(spec, "seed") is not None else seed
     spec = _source(spec)
+    if spec in PRESETS and PRESETS[spec].stand_in_only:
+        raise ModelLoadError(f"preset {spec} has the dimensions of a {_size(spec)} model only: use it with "
+                             "model.timing (a timed engine or the simulator)")
     register()
     tdtype = _torch_dtype(dtype)
     if spec in PRESETS:
@@ -110,6 +124,12 @@ def load_model(spec: Any, dtype: str = "float32", device: str = "cpu", seed: int
     model.requires_grad_(False)
     model.config._attn_implementation = ATTN_NAME
     return model
+
+
+def _size(name: str) -> str:
+    """'235B': a preset's parameter count as its name gives it (qwen3-235b-a22b), else 'large'."""
+    part = next((x for x in name.split("-") if x[:-1].isdigit() and x[-1] in "bB"), None)
+    return part.upper() if part else "large"
 
 
 def _field(spec: Any, name: str) -> Any:

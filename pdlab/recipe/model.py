@@ -59,5 +59,8 @@ class ModelSpec(Section):
             if self.preset not in PRESETS:
                 raise RecipeError(f"{key_of(where, 'preset')}: unknown preset {self.preset!r}"
                                   + (did_you_mean(self.preset, PRESETS) or f"; known: {', '.join(sorted(PRESETS))}"))
+            if PRESETS[self.preset].stand_in_only and self.timing is None:
+                raise RecipeError(f"{key_of(where, 'preset')}: {self.preset} has a model's dimensions only (no "
+                                  "weights pdlab could run): give it a model.timing profile")
         elif self.path.startswith(("/", ".", "~")) and not os.path.isdir(os.path.expanduser(self.path)):
             raise RecipeError(f"{key_of(where, 'path')}: {self.path} is not a directory")

@@ -59,8 +59,10 @@ def run(
                                                                           "runs/<recipe>-<time>)"),
     variants: Optional[str] = typer.Option(None, "--variants", metavar="A,B", help="Run only these variants "
                                                                                    "(comma-separated)"),
-    simulate: bool = typer.Option(False, "--simulate", help="Run in virtual time (pdlab's simulator) instead of "
-                                                            "on worker processes; every variant needs model.timing"),
+    simulate: Optional[bool] = typer.Option(None, "--simulate/--no-simulate",
+                                            help="Run in virtual time (pdlab's simulator) instead of on worker "
+                                                 "processes; every variant needs model.timing (default: the "
+                                                 "recipe's simulate key)"),
 ) -> None:
     """Run every variant of a recipe at every rate; prints the run directory."""
     from pdlab.commands.run import main

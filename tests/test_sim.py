@@ -158,7 +158,16 @@ def test_run_simulate_writes_a_run_directory(tmp_path):
     p = subprocess.run([sys.executable, "-c", "from pdlab.commands.run import main; import sys; "
                         f"sys.exit(main({str(tmp_path / 'real.yaml')!r}, [], {str(tmp_path / 'x')!r}, None, "
                         "simulate=True))"], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert p.returncode == 2 and "has no model.timing; give it a profile" in p.stderr
+    assert p.returncode == 2 and "--simulate: variant pull has no model.timing; give it a profile" in p.stderr  # yaml sorts keys
+    # a recipe may ask for virtual time itself (simulate: true); the CLI's --no-simulate overrides it
+    (tmp_path / "sim.yaml").write_text(yaml.safe_dump(dict(raw, simulate=True)))
+    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(tmp_path / "sim.yaml"), "--out",
+                        str(tmp_path / "s")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 0 and "MODELLED u: simulated in virtual time" in p.stdout, p.stderr
+    (tmp_path / "simreal.yaml").write_text(yaml.safe_dump(dict(real, simulate=True)))
+    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(tmp_path / "simreal.yaml")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert p.returncode == 2 and "error: simulate: true: variant pull has no model.timing" in p.stderr
 
 
 def test_the_mori_table_shows_the_essays_pattern_at_8_req_s():

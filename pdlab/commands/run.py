@@ -31,9 +31,9 @@ def place_main_process(recipe: object) -> tuple[list[int], list[str]]:
 
 
 def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Optional[str],
-         simulate: bool = False) -> int:
+         simulate: Optional[bool] = None) -> int:
     """`simulate`: run every variant in virtual time (pdlab.sim) instead of on worker processes; every
-    variant needs a modelled timing."""
+    variant needs a modelled timing. None: as the recipe's `simulate` key says."""
     from pdlab.engine.model import ModelLoadError
     from pdlab.harness import Harness, RunAborted, check_machine
     from pdlab.measure.finish import finalize
@@ -46,10 +46,12 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     # Everything that can be wrong with the recipe is found here, before anything starts.
     try:
         recipe = load_recipe(recipe_path, sets, variants)
+        flag = "--simulate" if simulate else "simulate: true"
+        simulate = recipe.shared.simulate if simulate is None else simulate
         if simulate:
             for name, v in recipe.variants.items():
                 if not v.model.modelled:
-                    raise RecipeError(f"--simulate: variant {name} has no model.timing; give it a profile (e.g. "
+                    raise RecipeError(f"{flag}: variant {name} has no model.timing; give it a profile (e.g. "
                                       "model.timing: cpu-demo-2core) to simulate it")
         else:
             check_machine(recipe)

@@ -21,8 +21,8 @@ from typing import Any, Optional, Union
 import yaml
 
 from pdlab.engine.config import EngineConfig
-from pdlab.fields import (RecipeError, Section, check_keys, did_you_mean, key_of, plain, section, spec, to_float,
-                          to_int, to_text)
+from pdlab.fields import (RecipeError, Section, check_keys, did_you_mean, key_of, plain, section, spec, to_bool,
+                          to_float, to_int, to_text)
 from pdlab.recipe.deployment import Deployment
 from pdlab.recipe.model import ModelSpec
 from pdlab.recipe.slo import DEFAULT_ITL_MS, DEFAULT_TTFT_MS, SLO
@@ -30,7 +30,7 @@ from pdlab.recipe.workload import WorkloadSpec
 
 VARIANT_KEYS = ("deployment", "engine", "model", "description")
 TOP_KEYS = ("name", "description", "seed", "warmup", "model", "engine", "workload", "rates", "search", "repeats",
-            "slo", "deployment", "variants")
+            "slo", "simulate", "deployment", "variants")
 RATES_FORM = ("auto (goodput found by search) or a list of request rates > 0 (req/s), inf for all-at-once, "
               "e.g. [1, 2, 4, .inf]")
 AUTO = "auto"
@@ -131,6 +131,9 @@ class Shared(Section):
     repeats: int = spec(1, "an integer >= 1 (seeded repeats of every measurement, for confidence intervals)",
                         to_int(1))
     slo: SLO = spec(SLO(ttft_ms=DEFAULT_TTFT_MS, itl_ms=DEFAULT_ITL_MS), parse=section(SLO))
+    # A recipe at GPU time scales (millisecond steps of many modelled devices) runs in virtual time by default:
+    # timed worker processes on a small box cannot keep those deadlines (BENCHMARKS.md). --no-simulate overrides.
+    simulate: bool = spec(False, "true or false (run in virtual time; every variant needs model.timing)", to_bool)
 
 
 @dataclass(frozen=True)

@@ -105,15 +105,16 @@ class Harness:
         from pdlab.serve.cluster import Cluster
 
         v = self.recipe.resolved(self.recipe.variant_names[0])
-        devices = list(v.deployment.workers[0].devices)
-        dep = Deployment.from_raw({"unified": {"devices": devices}, "control": v.deployment.control}, "calibration")
+        first = v.deployment.workers[0]
+        dep = Deployment.from_raw({"unified": {"devices": list(first.devices), "tp": first.tp},
+                                   "control": v.deployment.control}, "calibration")
         wl = self.workloads[v.name]
         reqs = build_requests(v.workload, math.inf, v.seed, wl.vocab, wl.tokenizer, wl.dataset,
                               n=ALONE_REQUESTS + 1, stream="alone")
         self.view.status("measuring one request alone (calibration)")
         with Cluster(v.model, v.engine, dep, seed=v.seed) as cluster:
             cluster.start()
-            self.alone = self._alone(cluster, reqs, ",".join(devices))
+            self.alone = self._alone(cluster, reqs, ",".join(first.devices))
         itl = self.alone.itl_ms
         if self.slo.relative:
             if self.slo.itl is not None and math.isnan(itl):

@@ -52,12 +52,12 @@ def test_defaults_are_filled_and_variants_resolve():
 
 
 def test_devices_split_evenly_among_replicas():
-    raw = dict(BASE, variants={"u": {"deployment": {"unified": {"replicas": 2, "devices": ["cuda:0-7"]}}}})
+    raw = dict(BASE, variants={"u": {"deployment": {"unified": {"replicas": 2, "devices": ["cuda:0-7"], "tp": 4}}}})
     w = parse_recipe(raw).resolved("u").deployment.workers
     assert w[0].devices == tuple(f"cuda:{i}" for i in range(4))
     assert w[1].devices == tuple(f"cuda:{i}" for i in range(4, 8))
     assert parse_recipe(raw).resolved("u").model.dtype == "bfloat16"  # cuda default
-    d = parse_recipe(raw, sets=["variants.u.deployment={prefill: {devices: [cuda:0-3]}, decode: {devices: [cuda:4-7]}}"])
+    d = parse_recipe(raw, sets=["variants.u.deployment={prefill: {devices: [cuda:0]}, decode: {devices: [cuda:4]}}"])
     assert d.resolved("u").deployment.transport == "cuda-ipc"  # cuda default
 
 

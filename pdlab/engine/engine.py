@@ -70,11 +70,13 @@ class Reservation:
 class Engine:
     def __init__(self, model: Any, config: EngineConfig, role: str = "unified",
                  kv_alloc: Optional[Callable[[tuple, torch.dtype], torch.Tensor]] = None,
-                 step_timing: Optional[StepTimeModel] = None, clock: Optional[Callable[[], float]] = None):
+                 step_timing: Optional[StepTimeModel] = None, clock: Optional[Callable[[], float]] = None,
+                 tp_channel: Any = None):
         """`step_timing`: a modelled timing (pdlab.engine.timed): the model is not run, each step takes the
         modelled time and samples deterministic tokens; `model` may then be a stand-in without weights.
         `clock`: the time source (default time.monotonic); a simulator passes a virtual clock, and a timed
-        engine then advances it instead of sleeping."""
+        engine then advances it instead of sleeping. `tp_channel`: rank 0 of a tensor-parallel group
+        (pdlab.engine.tensor_parallel.StepChannel): each step's batch goes to the other ranks first."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.step_timing = step_timing
@@ -100,6 +102,7 @@ class Engine:
         self.runner: Any = (ModelRunner(model, self.kv, config.block_size) if step_timing is None else
                             TimedRunner(step_timing, dims["layers"], dims["vocab_size"], self.eos_ids,
                                         wait=getattr(clock, "advance_to", None)))
+        self.tp_channel = tp_channel
         self.seqs: dict[str, Sequence] = {}
         self._current: list[tuple[str, int, int]] = []
 
@@ -214,6 +217,11 @@ class Engine:
             logits = None
             forward_s = self.runner.run(trio, start) - t0  # the modelled forward: the wait
         else:
+            if self.tp_channel is not None:
+                from pdlab.engine.tensor_parallel import OP_STEP, describe_step
+
+                self.tp_channel.send(OP_STEP, describe_step(batch.seqs, batch.num_tokens, batch.decode,
+                                                            self.config.block_size))
             ids, pos, ctx, rows = self.runner.prepare(batch.seqs, batch.num_tokens, batch.decode)
             t0 = self.now()
             logits = self.runner.forward(ids, pos, ctx, rows)

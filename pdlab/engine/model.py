@@ -187,7 +187,9 @@ def model_dims(model: Any) -> dict:
     heads = cfg.num_attention_heads
     return {
         "layers": cfg.num_hidden_layers,
-        "kv_heads": getattr(cfg, "num_key_value_heads", None) or heads,
+        # a tensor-parallel rank holds only its KV heads (pdlab.engine.tensor_parallel)
+        "kv_heads": (getattr(model, "pdlab_tp", None) or {}).get("kv_heads")
+        or getattr(cfg, "num_key_value_heads", None) or heads,
         "head_dim": getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
         "max_model_len": getattr(cfg, "max_position_embeddings", 4096),
         "vocab_size": cfg.vocab_size,

@@ -49,6 +49,7 @@ class WorkerGroup(Section):
 
     replicas: int = spec(1, "an integer >= 1", to_int(1))
     devices: tuple[str, ...] = spec(expected="a list of device specs such as [cpu:0] or [cuda:0-3]", conv=_devices)
+    tp: int = spec(1, "an integer >= 1 (tensor-parallel ranks per worker, one device each)", to_int(1))
 
     def split(self, share: bool, where: str) -> list[list[str]]:
         """Devices per replica, as device names (["cpu:0"], ...)."""
@@ -79,6 +80,7 @@ class PlannedWorker:
     name: str  # "unified0", "prefill1", "decode0"
     role: str
     devices: tuple[str, ...]
+    tp: int = 1
 
     @property
     def kind(self) -> str:
@@ -146,9 +148,20 @@ class Deployment(Section):
         """Split devices into workers and check the shape; the groups come back one spec per replica."""
         workers, groups = [], {}
         for role in self.roles:
-            per = getattr(self, role).split(self.share_devices, key_of(where, role))
-            groups[role] = WorkerGroup(replicas=len(per), devices=tuple(format_devices(parse_devices(d)) for d in per))
-            workers += [PlannedWorker(f"{role}{i}", role, tuple(d)) for i, d in enumerate(per)]
+            group = getattr(self, role)
+            per = group.split(self.share_devices, key_of(where, role))
+            for d in per:
+                # a worker computes on exactly tp devices: never a silent run on the first of several
+                if len(d) != group.tp:
+                    raise RecipeError(f"{key_of(where, role)}: each worker has {len(d)} device(s) ({format_devices(parse_devices(d))}) "
+                                      f"but tp is {group.tp}; a worker computes on one device per tensor-parallel "
+                                      f"rank: set tp: {len(d)} or give one device per replica")
+            if group.tp > 1 and self.disaggregated:
+                raise RecipeError(f"{key_of(where, role)}.tp: tensor parallelism is built for unified workers only "
+                                  "so far (a KV hand-over between sharded pools is not); use tp: 1 here")
+            groups[role] = WorkerGroup(replicas=len(per), devices=tuple(format_devices(parse_devices(d)) for d in per),
+                                       tp=group.tp)
+            workers += [PlannedWorker(f"{role}{i}", role, tuple(d), group.tp) for i, d in enumerate(per)]
         kinds = sorted({w.kind for w in workers})
         if len(kinds) > 1:
             raise RecipeError(f"{where}: all workers of a variant must use one kind of device, got {kinds}")

@@ -35,13 +35,29 @@ def describe_deployment(dep: Optional[dict]) -> str:
     """`unified 2x[cpu:0|cpu:1]` or `1P[cpu:0] + 1D[cpu:1] shm push`, from recipe.yaml's deployment."""
     if not dep:
         return "?"
+    def group(g: dict) -> str:
+        tp = f" TP{g['tp']}" if g.get("tp", 1) > 1 else ""
+        return f"[{'|'.join(map(str, g.get('devices', [])))}]{tp}"
+
     if dep.get("kind") == "unified":
         u = dep["unified"]
-        return f"unified {u.get('replicas', 1)}x[{'|'.join(map(str, u.get('devices', [])))}]"
+        return f"unified {u.get('replicas', 1)}x{group(u)}"
     p, d = dep.get("prefill", {}), dep.get("decode", {})
-    return (f"{p.get('replicas', 1)}P[{'|'.join(map(str, p.get('devices', [])))}] + "
-            f"{d.get('replicas', 1)}D[{'|'.join(map(str, d.get('devices', [])))}] "
+    return (f"{p.get('replicas', 1)}P{group(p)} + {d.get('replicas', 1)}D{group(d)} "
             f"{dep.get('transport', '?')} {dep.get('mode', '?')}")
+
+
+def count_devices(dep: Optional[dict]) -> Optional[int]:
+    """Distinct devices a deployment (recipe.yaml's) uses: the denominator of goodput per device."""
+    from pdlab.devices import parse_devices
+
+    if not dep:
+        return None
+    try:
+        return len({d for role in ("unified", "prefill", "decode") for spec in (dep.get(role) or {}).get("devices", [])
+                    for d in parse_devices(str(spec))}) or None
+    except ValueError:
+        return None
 
 
 def _summary(run: Run) -> dict:
@@ -84,7 +100,7 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
                 "label": v if len(runs) == 1 else f"{run.name}/{v}", "run": run.path, "variant": v,
                 "config": describe_deployment(dep), "kind": (dep or {}).get("kind", "?"),
                 "ran": bool(vs.get("ran", True)), "partial": bool(s.get("partial")), "slo": s.get("slo"),
-                "goodput": g, "goodput_tpot": vs["goodput_tpot"],
+                "goodput": g, "goodput_tpot": vs["goodput_tpot"], "devices": count_devices(dep),
                 "saturation_tok_s": (vs.get("saturation") or {}).get("output_tok_s"),
                 "met": {t: [x["slo_met"], x["sent"]] for t, x in vs["rates"].items()},
                 "attainment": {t: x["over_repeats"]["attainment"] for t, x in vs["rates"].items()},
@@ -137,6 +153,7 @@ def compare(runs: list[Run], baseline: Optional[str] = None, rate: Optional[floa
     for r in rows:
         bm, rm = base["goodput"]["mean"], r["goodput"]["mean"]
         r["relative_goodput"] = rm / bm if rm is not None and bm else None
+        r["goodput_per_device"] = rm / r["devices"] if rm is not None and r["devices"] else None
         r["latencies"] = _latencies(r.pop("_vs"), focus, search)
     verdicts = [verdict(_row(base), _row(r)) for r in rows if r is not base]
     warnings = [(f"{run.name}: " if len(runs) > 1 else "") + w
@@ -184,14 +201,14 @@ def render(result: dict, console: Any = None) -> None:
                   f"of requests meeting both · baseline {result['baseline']}")
     t = Table(box=box.SIMPLE_HEAD, title="goodput (req/s, mean ± 95% interval over repeats; sat: held to the "
                                          "saturation throughput)", title_justify="left")
-    for name, just in (("configuration", "left"), ("goodput", "right"), ("rel.", "right"), ("TPOT goodput", "right"),
-                       ("out tok/s @sat", "right")):
+    for name, just in (("configuration", "left"), ("goodput", "right"), ("rel.", "right"), ("/device", "right"),
+                       ("TPOT goodput", "right"), ("out tok/s @sat", "right")):
         t.add_column(name, justify=just)
     for r in result["rows"]:
         g, gt = r["goodput"], r["goodput_tpot"]
         state = "" if r["ran"] and not r["partial"] else (" (not run)" if not r["ran"] else " (partial)")
         t.add_row(f"[bold]{escape(r['label'])}[/bold]{state}\n{escape(r['config'])}", _goodput_cell(g),
-                  _f(r["relative_goodput"], "{:.2f}×"), _goodput_cell(gt),
+                  _f(r["relative_goodput"], "{:.2f}×"), _f(r["goodput_per_device"], "{:.2f}"), _goodput_cell(gt),
                   format_estimate(_est(r["saturation_tok_s"]), "{:.0f}") if r["saturation_tok_s"] else "—")
     console.print(t)
     where = ("at each row's goodput" if result["mode"] == "search" else f"at {result['focus_rate']} req/s"

@@ -40,6 +40,7 @@ class WorkerSpec:
     visible_gpus: tuple[int, ...]  # CUDA_VISIBLE_DEVICES, own GPU first
     transfer_timeout_s: float
     heartbeat_s: float = HEARTBEAT_S
+    tp: int = 1  # tensor-parallel ranks: this process is rank 0 on devices[0], followers take the rest
 
     def to_raw(self) -> dict:
         """Plain data for the spawn arguments: nothing pickled needs pdlab classes."""
@@ -61,7 +62,8 @@ def run_worker(spec_dict: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's business: it stops us
     signal.signal(signal.SIGTERM, _exit_on_signal)  # unwinds: the pool segment is unlinked on the way out
     _die_with_parent()
-    cpu_cores = [int(d.split(":")[1]) for d in spec.devices if d.startswith("cpu:")]
+    mine = spec.devices[:1] if spec.tp > 1 else spec.devices  # under TP each rank pins to its own device
+    cpu_cores = [int(d.split(":")[1]) for d in mine if d.startswith("cpu:")]
     if spec.visible_gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.visible_gpus)
     elif cpu_cores:
@@ -105,11 +107,17 @@ class Worker:
         self.loop_t = time.monotonic()
         self.stopping = threading.Event()
         threading.Thread(target=self._heartbeat, name="pdlab-heartbeat", daemon=True).start()
+        self.tp = None
         try:
             device = "cuda:0" if spec.visible_gpus else "cpu"
-            # a timed model is not run: its dimensions are enough
-            self.model = (load_stand_in(spec.model, device=device) if spec.model.timing else
-                          load_model(spec.model, device=device, seed=spec.seed))
+            if spec.tp > 1 and not spec.model.timing:  # a timed engine stands for its whole group alone
+                from pdlab.serve.tensor_group import TensorGroup
+
+                self.tp = TensorGroup(spec)
+                self.model = self.tp.load()
+            else:  # a timed model is not run: its dimensions are enough
+                self.model = (load_stand_in(spec.model, device=device) if spec.model.timing else
+                              load_model(spec.model, device=device, seed=spec.seed))
             self.transport = None
             kv_alloc = None
             if spec.transport and self.role != "unified":
@@ -118,9 +126,13 @@ class Worker:
                 self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus)
                 kv_alloc = self.transport.kv_alloc
             self.engine = Engine(self.model, spec.engine, role=self.role, kv_alloc=kv_alloc,
-                                 step_timing=spec.model.timing)
+                                 step_timing=spec.model.timing, tp_channel=self.tp and self.tp.channel)
+            if self.tp is not None:
+                self.tp.start(self.engine.blocks.num_blocks)
         except Exception as e:  # noqa: BLE001 - reported to the router, then this process ends
             self._send(m.Fatal(self.name, f"{type(e).__name__}: {e}"))
+            if self.tp is not None:
+                self.tp.close()
             raise
         from pdlab.serve.handlers import RoleHandler
 
@@ -175,6 +187,8 @@ class Worker:
             raise
         finally:
             self.stopping.set()
+            if self.tp is not None:
+                self.tp.close()
             if self.transport is not None:
                 self.handler.close()
                 self.transport.close()

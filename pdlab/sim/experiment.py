@@ -55,7 +55,8 @@ def unified_one(v: Variant) -> Variant:
     """The variant on one unified worker: the calibration's reference."""
     from dataclasses import replace
 
-    return replace(v, deployment=Deployment.from_raw({"unified": {"devices": list(v.deployment.workers[0].devices)}},
+    first = v.deployment.workers[0]
+    return replace(v, deployment=Deployment.from_raw({"unified": {"devices": list(first.devices), "tp": first.tp}},
                                                      "calibration"))
 
 

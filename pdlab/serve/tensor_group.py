@@ -1,0 +1,158 @@
+"""A tensor-parallel worker group: the worker process is rank 0 and starts ranks 1..tp-1 ("followers").
+
+Rank 0 owns the engine (scheduler, block manager, sockets); a follower owns a model shard and its slice of
+the paged KV pool and runs the forward pass rank 0 describes (pdlab.engine.tensor_parallel). The group meets
+through a torch.distributed FileStore in a private directory (no port, nothing reachable from outside);
+NCCL runs the model's all-reduces on CUDA, gloo on CPU and always for the step broadcast.
+
+Ends cleanly on every path: rank 0 sends STOP and joins its followers (killing any that hang); a follower
+whose rank 0 dies gets SIGTERM from the kernel (PR_SET_PDEATHSIG) or an error from its next collective; a
+rank 0 whose follower dies gets an error from its next collective, reports Fatal and exits, as any worker.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from pdlab.constants import STEP_TIMEOUT_S, STOP_TIMEOUT_S
+
+
+def _init(rank: int, world: int, store_dir: str, cuda: bool, timeout_s: float) -> tuple[Any, Any]:
+    """Join the group: (model group, control group)."""
+    import torch.distributed as dist
+
+    store = dist.FileStore(os.path.join(store_dir, "store"), world)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
+    control = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
+    return None, control
+
+
+def _device(spec: Any, rank: int) -> str:
+    if spec.visible_gpus:
+        gpu = int(spec.devices[rank].split(":")[1])
+        return f"cuda:{list(spec.visible_gpus).index(gpu)}"
+    return "cpu"
+
+
+def _load(spec: Any, rank: int, group: Any) -> Any:
+    from pdlab.engine import load_model
+    from pdlab.engine.tensor_parallel import shard_model
+
+    model = load_model(spec.model, device=_device(spec, rank), seed=spec.seed)  # same seed: the same weights
+    return shard_model(model, rank, spec.tp, group)
+
+
+class TensorGroup:
+    """Rank 0's side: start the followers, join the group, shard the model, close."""
+
+    def __init__(self, spec: Any):
+        from pdlab.serve.worker import WorkerSpec
+
+        self.spec = spec
+        self.store_dir = tempfile.mkdtemp(prefix="pdlab-tp-")
+        # subprocesses, not multiprocessing children: the worker is itself a daemonic multiprocessing child
+        raw = json.dumps(WorkerSpec.to_raw(spec))
+        cuda = bool(spec.visible_gpus)
+        self.procs = []
+        for r in range(1, spec.tp):
+            p = subprocess.Popen([sys.executable, "-m", "pdlab.serve.tensor_group", str(r), self.store_dir],
+                                 stdin=subprocess.PIPE, text=True)
+            p.stdin.write(raw)
+            p.stdin.close()
+            self.procs.append(p)
+        self.group, control = _init(0, spec.tp, self.store_dir, cuda, STEP_TIMEOUT_S)
+        from pdlab.engine.tensor_parallel import StepChannel
+
+        self.channel = StepChannel(control)
+
+    def load(self) -> Any:
+        return _load(self.spec, 0, self.group)
+
+    def start(self, num_blocks: int) -> None:
+        """Tell the followers the pool size rank 0's engine chose (they allocate the same block count)."""
+        from pdlab.engine.tensor_parallel import OP_STEP
+
+        self.channel.send(OP_STEP, num_blocks.to_bytes(8, "little"))
+
+    def close(self) -> None:
+        from pdlab.engine.tensor_parallel import OP_STOP
+
+        alive = all(p.poll() is None for p in self.procs)
+        if alive:
+            try:
+                self.channel.send(OP_STOP)
+            except Exception:  # noqa: BLE001 - a follower died: the kill below ends the others
+                pass
+        for p in self.procs:  # every follower is waited for: no zombie, no orphan
+            try:
+                p.wait(STOP_TIMEOUT_S / 2 if alive else 0.5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(STOP_TIMEOUT_S)
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
+        shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
+    """Process entry of rank `rank` (spawned by rank 0): pin, join, load a shard, follow steps until STOP."""
+    from pdlab.serve.worker import WorkerSpec, _die_with_parent
+
+    spec = WorkerSpec.from_raw(spec_raw)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    dev = spec.devices[rank]
+    if spec.visible_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.visible_gpus)
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.sched_setaffinity(0, [int(dev.split(":")[1])])
+        os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    from pdlab.engine.model import model_dims
+    from pdlab.engine.runner import ModelRunner
+    from pdlab.engine.tensor_parallel import OP_STEP, StepChannel, read_step
+
+    if not spec.visible_gpus:
+        torch.set_num_threads(1)
+    group, control = _init(rank, spec.tp, store_dir, bool(spec.visible_gpus), STEP_TIMEOUT_S)
+    channel = StepChannel(control)
+    model = _load(spec, rank, group)
+    dims = model_dims(model)
+    op, payload = channel.recv()  # rank 0's engine chose the pool size
+    if op != OP_STEP:
+        return
+    blocks = int.from_bytes(payload, "little")
+    param = next(model.parameters())
+    kv = torch.zeros((dims["layers"], 2, blocks, spec.engine.block_size, dims["kv_heads"], dims["head_dim"]),
+                     dtype=param.dtype, device=param.device)
+    runner = ModelRunner(model, kv, spec.engine.block_size)
+    while True:
+        op, payload = channel.recv()
+        if op != OP_STEP:
+            break
+        seqs, ns, ds = read_step(payload)
+        ids, pos, ctx, _ = runner.prepare(seqs, ns, ds)
+        runner.forward(ids, pos, ctx, [])  # rank 0 samples
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    run_follower(json.load(sys.stdin), int(sys.argv[1]), sys.argv[2])

@@ -40,6 +40,7 @@ class WorkerSpec:
     visible_gpus: tuple[int, ...]  # CUDA_VISIBLE_DEVICES, own GPU first
     transfer_timeout_s: float
     heartbeat_s: float = HEARTBEAT_S
+    nixl: Optional[dict] = None  # transport nixl: the deployment's nixl section, plain data
 
     def to_raw(self) -> dict:
         """Plain data for the spawn arguments: nothing pickled needs pdlab classes."""
@@ -115,7 +116,8 @@ class Worker:
             if spec.transport and self.role != "unified":
                 from pdlab.kv.transfer import make_transport
 
-                self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus)
+                self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus,
+                                                {**(spec.nixl or {}), "timeout_s": spec.transfer_timeout_s})
                 kv_alloc = self.transport.kv_alloc
             self.engine = Engine(self.model, spec.engine, role=self.role, kv_alloc=kv_alloc,
                                  step_timing=spec.model.timing)

@@ -129,3 +129,40 @@ def test_auto_ucx_tls_is_what_works_here(monkeypatch):
     assert resolve_ucx_tls("auto", cuda=False) == "tcp,sm,self,rc,ud"
     assert resolve_ucx_tls("tcp,self", cuda=True) == "tcp,self"  # explicit: as given
     assert os.environ.get("UCX_TLS") != "auto"
+
+
+LOG = """[1796024156.49] [vm:3473 :0] ucp_worker.c:1997 UCX  INFO    pdlab-x-decode0 self cfg#0 rma_am(tcp/lo)  am(tcp/lo)
+[1796024156.72] [vm:3473 :0] ucp_worker.c:1997 UCX  INFO    pdlab-x-decode0 intra-node cfg#1 rma_am(tcp/lo)  amo_am(tcp/lo)  am(tcp/lo cma/memory)  ka(tcp/lo)
+[1796024156.76] [vm:3473 :1] ucp_worker.c:1997 UCX  INFO    pdlab-x-prefill0 inter-node cfg#1 rma(rc_mlx5/mlx5_0:1)  am(rc_mlx5/mlx5_0:1)
+"""
+
+
+@pytest.mark.parametrize("lanes,tcp", [
+    ("intra-node rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo cma/memory) ka(tcp/lo)", False),  # bulk by cma
+    ("intra-node rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo tcp/eth0) ka(tcp/lo)", True),
+    ("inter-node rma(rc_mlx5/mlx5_0:1) am(rc_mlx5/mlx5_0:1)", False),
+    ("inter-node rma(tcp/eth0) am(tcp/eth0)", True),
+    ("", False),
+])
+def test_tcp_only_data_lanes_are_the_slow_path(lanes, tcp, monkeypatch):
+    from pdlab.kv import nixl_probe
+    from pdlab.kv.nixl import rma_over_tcp
+
+    assert rma_over_tcp(lanes) is tcp
+    monkeypatch.setattr(nixl_probe, "rdma_devices", lambda: [])
+    assert nixl_probe.path_warning(lanes).startswith("FALLBACK") is tcp
+    assert nixl_probe.path_warning(lanes, same_host=False) == ""  # across nodes without RDMA: TCP is all there is
+    monkeypatch.setattr(nixl_probe, "rdma_devices", lambda: ["mlx5_0"])
+    assert ("RDMA devices exist (mlx5_0)" in nixl_probe.path_warning(lanes, same_host=False)) is tcp
+
+
+def test_lanes_are_read_per_agent_from_the_ucx_log(tmp_path):
+    from pdlab.kv.nixl import read_lanes
+
+    log = tmp_path / "ucx.log"
+    log.write_text(LOG)
+    assert read_lanes("pdlab-x-decode0", str(log)) == \
+        "intra-node rma_am(tcp/lo) amo_am(tcp/lo) am(tcp/lo cma/memory) ka(tcp/lo)"
+    assert read_lanes("pdlab-x-prefill0", str(log)) == "inter-node rma(rc_mlx5/mlx5_0:1) am(rc_mlx5/mlx5_0:1)"
+    assert read_lanes("pdlab-x-decode", str(log)) is None  # names match whole
+    assert read_lanes("x", str(tmp_path / "missing.log")) is None

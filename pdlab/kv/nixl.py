@@ -85,10 +85,20 @@ def read_lanes(agent: str, log_file: Optional[str] = None) -> Optional[str]:
     return None
 
 
+def data_lanes(lanes: Optional[str]) -> list[str]:
+    """The UCX transports that move the bytes of a READ/WRITE: the `rma` lanes, or, where RMA is emulated
+    over active messages (`rma_am`), those and the `am` lanes (whose zero-copy lane, e.g. cma/memory,
+    carries the bulk data)."""
+    groups = dict(re.findall(r"\b(rma|rma_am|am)\(([^)]*)\)", lanes or ""))
+    if "rma" in groups:
+        return groups["rma"].split()
+    return (groups.get("rma_am", "") + " " + groups.get("am", "")).split() if "rma_am" in groups else []
+
+
 def rma_over_tcp(lanes: Optional[str]) -> bool:
-    """True when UCX moves the data (rma lanes) over TCP only: the slow path NIXL users hit unawares."""
-    m = re.search(r"\brma\w*\(([^)]*)\)", lanes or "")
-    return bool(m) and all(t.startswith("tcp/") for t in m.group(1).split())
+    """True when UCX moves the data over TCP only: the slow path NIXL users hit unawares."""
+    data = data_lanes(lanes)
+    return bool(data) and all(t.startswith("tcp/") for t in data)
 
 
 @dataclass

@@ -158,7 +158,9 @@ def test_doctor_reports_every_transport(capsys):
     else:  # measured, with the UCX lanes it took; TCP loopback on one node is flagged, never silent
         assert nixl["available"] and nixl["handover_gbps"] > 0 and nixl["baseline_gbps"] > 0, nixl
         assert "rma" in nixl["note"] and "UCX_TLS=" in nixl["note"]
-        assert ("tcp/" in nixl["note"]) == ("FALLBACK" in nixl["note"]) or "rma_am(tcp" not in nixl["note"]
+        from pdlab.kv.nixl import rma_over_tcp
+
+        assert ("FALLBACK" in nixl["note"]) == rma_over_tcp(nixl["note"].split(";")[0])
     if not torch.cuda.is_available():
         assert "no CUDA" in probes["cuda-ipc"]["note"] and "no CUDA" in probes["host"]["note"]
     assert report["cpu"]["cores"] >= 1

@@ -166,3 +166,21 @@ def test_lanes_are_read_per_agent_from_the_ucx_log(tmp_path):
     assert read_lanes("pdlab-x-prefill0", str(log)) == "inter-node rma(rc_mlx5/mlx5_0:1) am(rc_mlx5/mlx5_0:1)"
     assert read_lanes("pdlab-x-decode", str(log)) is None  # names match whole
     assert read_lanes("x", str(tmp_path / "missing.log")) is None
+
+
+def test_cli_without_nixl_says_how_to_install_it_and_starts_nothing(tmp_path):
+    """`pdlab run` where NIXL cannot be found: one line, exit 2, no run directory."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    hide = ("import sys, pdlab.recipe.deployment as d; d.nixl_module = lambda: None; "
+            "sys.argv = ['pdlab'] + sys.argv[1:]; from pdlab.cli import app; app()")
+    out = str(tmp_path / "never")
+    r = subprocess.run([sys.executable, "-c", hide, "run", os.path.join(root, "tests", "data", "nixl-recipe.yaml"),
+                        "--out", out], capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "variants.nixl-pull.deployment.transport: nixl needs the optional extra" in lines[0] \
+        and "pip install -e '.[nixl]'" in lines[0], r.stderr
+    assert not os.path.exists(out)

@@ -146,7 +146,7 @@ LOG = """[1796024156.49] [vm:3473 :0] ucp_worker.c:1997 UCX  INFO    pdlab-x-dec
 ])
 def test_tcp_only_data_lanes_are_the_slow_path(lanes, tcp, monkeypatch):
     from pdlab.kv import nixl_probe
-    from pdlab.kv.nixl import rma_over_tcp
+    from pdlab.kv.ucx_log import rma_over_tcp
 
     assert rma_over_tcp(lanes) is tcp
     monkeypatch.setattr(nixl_probe, "rdma_devices", lambda: [])
@@ -157,7 +157,7 @@ def test_tcp_only_data_lanes_are_the_slow_path(lanes, tcp, monkeypatch):
 
 
 def test_lanes_are_read_per_agent_from_the_ucx_log(tmp_path):
-    from pdlab.kv.nixl import read_lanes
+    from pdlab.kv.ucx_log import read_lanes
 
     log = tmp_path / "ucx.log"
     log.write_text(LOG)

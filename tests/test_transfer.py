@@ -158,7 +158,7 @@ def test_doctor_reports_every_transport(capsys):
     else:  # measured, with the UCX lanes it took; TCP loopback on one node is flagged, never silent
         assert nixl["available"] and nixl["handover_gbps"] > 0 and nixl["baseline_gbps"] > 0, nixl
         assert "rma" in nixl["note"] and "UCX_TLS=" in nixl["note"]
-        from pdlab.kv.nixl import rma_over_tcp
+        from pdlab.kv.ucx_log import rma_over_tcp
 
         assert ("FALLBACK" in nixl["note"]) == rma_over_tcp(nixl["note"].split(";")[0])
     if not torch.cuda.is_available():

@@ -15,8 +15,7 @@ prefill and decode workers reach each other only through pdlab's control plane a
   transfer DONE; UCX flushes the endpoint before that, so the bytes have landed on the remote side when
   the initiator sees DONE and the control-plane message that follows can admit the request.
 
-What UCX actually selected is read from its own log (UCX_LOG_LEVEL=info into a private file, where it
-prints the lanes of every new endpoint, e.g. `rma_am(tcp/lo) am(tcp/lo cma/memory)`): `path(peer)`.
+What UCX actually selected is read from its own log (pdlab.kv.ucx_log): `path(peer)`.
 
 CUDA: VRAM registration, device ids and a stream sync before NIXL touches the pool are written here but
 were not run (no GPU on the box this was built on).
@@ -24,12 +23,8 @@ were not run (no GPU on the box this was built on).
 
 from __future__ import annotations
 
-import atexit
 import os
-import re
-import shutil
 import socket
-import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
@@ -38,10 +33,8 @@ import numpy as np
 import torch
 
 from pdlab.kv.transfer import Transport, block_bytes, copy_blocks
+from pdlab.kv.ucx_log import read_lanes, ucx_log_file
 from pdlab.recipe.nixl import INSTALL_HINT, nixl_module, resolve_ucx_tls
-
-_LANES = re.compile(r"UCX\s+INFO\s+(\S+)\s+((?:intra|inter)-node) cfg#\d+\s+(.*)$")
-_log_dir: Optional[str] = None
 
 
 def load_api() -> Any:
@@ -54,51 +47,9 @@ def load_api() -> Any:
     api = importlib.import_module(f"{name}._api")
     import logging
 
-    logging.getLogger("nixl").setLevel(logging.WARNING)  # its INFO lines go to stdout: the run's own output
+    if not os.environ.get("NIXL_LOG_LEVEL"):  # its INFO lines go to stdout, the run's own output
+        logging.getLogger("nixl").setLevel(logging.WARNING)
     return api
-
-
-def ucx_log_file() -> str:
-    """The file UCX logs to in this process (set before UCX loads: UCX reads it once per process)."""
-    global _log_dir
-    if os.environ.get("UCX_LOG_FILE"):
-        return os.environ["UCX_LOG_FILE"]
-    _log_dir = tempfile.mkdtemp(prefix="pdlab-ucx-")
-    atexit.register(shutil.rmtree, _log_dir, True)
-    os.environ["UCX_LOG_FILE"] = os.path.join(_log_dir, "ucx.log")
-    os.environ.setdefault("UCX_LOG_LEVEL", "info")  # the lanes of each endpoint are logged at info
-    return os.environ["UCX_LOG_FILE"]
-
-
-def read_lanes(agent: str, log_file: Optional[str] = None) -> Optional[str]:
-    """The last endpoint configuration UCX logged for `agent`: 'intra-node rma_am(tcp/lo) ...', or None."""
-    _flush_stdio()  # UCX writes its log through a buffered FILE*
-    try:
-        with open(log_file or ucx_log_file(), errors="replace") as f:
-            lines = f.readlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        m = _LANES.search(line.rstrip())
-        if m and m.group(1) == agent:
-            return f"{m.group(2)} {' '.join(m.group(3).split())}"
-    return None
-
-
-def data_lanes(lanes: Optional[str]) -> list[str]:
-    """The UCX transports that move the bytes of a READ/WRITE: the `rma` lanes, or, where RMA is emulated
-    over active messages (`rma_am`), those and the `am` lanes (whose zero-copy lane, e.g. cma/memory,
-    carries the bulk data)."""
-    groups = dict(re.findall(r"\b(rma|rma_am|am)\(([^)]*)\)", lanes or ""))
-    if "rma" in groups:
-        return groups["rma"].split()
-    return (groups.get("rma_am", "") + " " + groups.get("am", "")).split() if "rma_am" in groups else []
-
-
-def rma_over_tcp(lanes: Optional[str]) -> bool:
-    """True when UCX moves the data over TCP only: the slow path NIXL users hit unawares."""
-    data = data_lanes(lanes)
-    return bool(data) and all(t.startswith("tcp/") for t in data)
 
 
 @dataclass
@@ -248,15 +199,6 @@ def block_indices(blocks: Sequence[int], num_blocks: int, layers: int, layer: Op
     ls = np.arange(layers) if layer is None else np.array([layer])
     rows = (ls[:, None] * 2 + np.arange(2)[None, :]).reshape(-1)
     return (rows[:, None] * num_blocks + np.asarray(blocks)[None, :]).reshape(-1).astype(np.int32)
-
-
-def _flush_stdio() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).fflush(None)
-    except Exception:  # noqa: BLE001 - not glibc: the lanes show once UCX flushes on its own
-        pass
 
 
 def _dev(t: torch.Tensor) -> int:

@@ -40,7 +40,7 @@ def nixl_pair(shape: tuple[int, ...], dst_blocks: int, ucx_tls: str = "auto",
 
 def path_warning(lanes: str, same_host: bool = True) -> str:
     """'FALLBACK: ...' when the data lanes are TCP although something faster is there; '' otherwise."""
-    from pdlab.kv.nixl import rma_over_tcp
+    from pdlab.kv.ucx_log import rma_over_tcp
 
     if not rma_over_tcp(lanes):
         return ""

@@ -85,7 +85,7 @@ def measure(tokens: int, repeats: int, ucx_tls: str) -> tuple[list[dict], str]:
         pushed = timed(push, repeats)
         assert torch.equal(d.pool[:, :, dst_blocks], p.pool), "nixl push: blocks differ"
         rows += [row("nixl-pull", tokens, nbytes, pull), row("nixl-push", tokens, nbytes, pushed)]
-        path = f"{prefill_pool.path}; UCX_TLS={d.ucx_tls}"
+        path = prefill_pool.path
     return rows, path
 
 

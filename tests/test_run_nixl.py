@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from pdlab.measure.records import load_run
-from pdlab.recipe.nixl import nixl_module
+from pdlab.recipe.nixl import nixl_module, resolve_ucx_tls
 from tests.test_run import ROOT, pdlab
 
 pytestmark = [pytest.mark.slow,
@@ -48,6 +48,7 @@ def test_transfers_are_nixl_with_the_path_ucx_took(nixl_run):
         assert {(t["transport"], t["mode"]) for t in ts} == {("nixl", mode)}
         assert {t["src"] for t in ts} == {"prefill0", "prefill1"} and {t["dst"] for t in ts} == {"decode0"}
         assert all(t["path"].startswith("UCX intra-node ") and "rma" in t["path"] for t in ts)
+        assert all(t["path"].endswith(f"[UCX_TLS={resolve_ucx_tls('auto', cuda=False)}]") for t in ts)
         assert any(t["saved_bytes"] > 0 for t in ts)  # the decode side's prefix cache spared blocks
 
 
@@ -82,4 +83,5 @@ def test_two_nodes_on_one_box_share_nothing_but_tcp(nixl_run, tmp_path):
     paths = {t["path"] for t in run.transfers}
     lanes = " ".join(paths)
     assert paths and "tcp/" in lanes and not any(x in lanes for x in ("cma/", "posix/", "sysv/", "xpmem/")), paths
+    assert all(p.endswith("[UCX_TLS=tcp,self]") for p in paths), paths
     assert run.recipe["variants"]["nixl-push"]["deployment"]["control"] == f"tcp://127.0.0.1:{port}"

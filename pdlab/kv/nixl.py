@@ -125,7 +125,7 @@ class NixlTransport(Transport):
             if lanes or time.monotonic() > deadline:
                 break
             time.sleep(0.02)
-        return f"{'+'.join(self.backends)} {lanes or f'(lanes not logged; UCX_TLS={self.ucx_tls})'}"
+        return f"{'+'.join(self.backends)} {lanes or '(lanes not logged)'} [UCX_TLS={self.ucx_tls}]"
 
     def path(self, peer: str) -> str:
         """What the hand-over to/from `peer` (its handle name) actually went through."""

@@ -72,7 +72,7 @@ def probe_nixl(shape: tuple[int, ...], repeats: int = 20, scattered: bool = Fals
             if not torch.equal(b.pool[:, :, dst_blocks], a.pool):
                 return ProbeResult("nixl", False, "the READ completed but the blocks differ: NIXL path broken")
             lanes = prefill_pool.path
-            note = f"pull READ via {lanes}; UCX_TLS={b.ucx_tls}"
+            note = f"pull READ via {lanes}"
             warning = path_warning(lanes)
             return ProbeResult("nixl", True, f"{note}; {warning}" if warning else note, nbytes, n,
                                nbytes / hand / 1e9, nbytes / base / 1e9, "memcpy (torch copy, same bytes)")

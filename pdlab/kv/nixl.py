@@ -152,6 +152,7 @@ class NixlTransport(Transport):
         local = block_indices(mine, self.pool.shape[2], layers, layer)
         remote = block_indices(theirs, peer.blocks, layers, layer)
         handle = self.agent.make_prepped_xfer(op, self.local, local, peer.dlist, remote)
+        done = False
         try:
             state = self.agent.transfer(handle)
             deadline, nap = time.monotonic() + self.timeout_s, 0.0
@@ -163,8 +164,13 @@ class NixlTransport(Transport):
                 state = self.agent.check_xfer_state(handle)
             if state != "DONE":
                 raise RuntimeError(f"NIXL {op} with {peer.agent} failed (state {state})")
+            done = True
         finally:
-            handle.release()
+            try:
+                handle.release()  # a transfer still in flight is cancelled (NIXL raises if it cannot be)
+            except Exception:  # noqa: BLE001 - after a failure, that failure is the one to report
+                if done:
+                    raise
         return len(mine) * block_bytes(self.pool) // (1 if layer is None else layers)
 
     copy.host_driven = True  # type: ignore[attr-defined]  # a blocking call: copiers run it on a thread

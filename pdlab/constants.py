@@ -11,9 +11,16 @@ ROLES = ("unified", "prefill", "decode")
 DEPLOYMENT_KINDS = ("unified", "disagg")
 DEVICE_KINDS = ("cpu", "cuda")
 TRANSPORTS = ("shm", "cuda-ipc", "host", "nixl")
-TRANSPORTS_AVAILABLE = ("shm", "cuda-ipc", "host")  # nixl: not built yet
+TRANSPORTS_AVAILABLE = ("shm", "cuda-ipc", "host", "nixl")  # nixl: with the optional extra pdlab[nixl]
 GPU_TRANSPORTS = ("cuda-ipc", "host")
 MODES = ("pull", "push")
+# NIXL (pdlab.kv.nixl): the backends an agent creates, and UCX_TLS. "auto" picks what works on the machine
+# (pdlab.recipe.nixl.resolve_ucx_tls): tcp,sm,self on a CPU box (checked: UCX's own default failed there to
+# create the backend), plus rc,ud where RDMA devices exist and cuda_copy,cuda_ipc for GPU pools.
+NIXL_BACKENDS = ("UCX",)
+NIXL_UCX_TLS = "auto"
+NIXL_UCX_TLS_BASE = "tcp,sm,self"
+NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")  # "nixl": the meta package, picks by torch's CUDA
 FIRST_TOKEN_FROM = ("decode", "prefill")
 STATS = ("mean", "p50", "p90", "p99", "max")  # latency statistics, and the per-request ITL statistic
 MISS_KINDS = ("ttft_only", "itl_only", "both", "failed")

@@ -23,6 +23,7 @@ from pdlab.constants import STALL_TIMEOUT_S
 from pdlab.measure.metrics import build_request_record
 from pdlab.measure.records import RunDir
 from pdlab.measure.search import RateSearch
+from pdlab.measure.transports import TransportPaths
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.workload import Workload, WorkloadRequest, build_requests
 
@@ -81,6 +82,7 @@ class Harness:
         self.alone: Optional[Alone] = None  # the calibration: one unified worker
         self.alone_by_variant: dict[str, Alone] = {}  # each variant's own deployment
         self.searches: dict[tuple[str, int], dict] = {}  # (variant, repeat) -> saturation rps and trials
+        self.paths = TransportPaths(rd, view)  # the KV path each variant actually took: env.json, live view
 
     def facts(self, warnings: list[str]) -> dict:
         """What the summary needs beyond the records (pdlab.measure.summary.summarize_run)."""
@@ -153,6 +155,7 @@ class Harness:
             cluster.start()
             for w in cluster.workers:
                 self.view.update_worker(w.name, role=w.role, devices=",".join(w.devices))
+            self.paths.start(variant, v.deployment)
             # this deployment's own time for one request alone: the D of its M/D/1 check (chunking or a
             # KV hand-over make it differ from the calibration's unified worker)
             wl = self.workloads[v.name]
@@ -260,6 +263,7 @@ class Harness:
                         self._worker_view(e)
                     elif isinstance(e, TransferEvent):
                         transfers.append({**tag, **e.record})
+                        self.paths.saw(e.record)
                     elif isinstance(e, WorkerFailed):
                         failure = failure or e.reason
                 append("requests", records)

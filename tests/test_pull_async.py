@@ -47,6 +47,12 @@ class FakeTransport:
     def open(self, handle):
         return self.pools[handle["name"]]
 
+    def copy(self, *args, **kw):
+        return copy_blocks(*args, **kw)
+
+    def path(self, peer):
+        return self.name
+
 
 class FakeWorker:
     """What RoleHandler uses of a Worker: engine, spec, transport, _send, step_record."""

@@ -147,10 +147,10 @@ def _probe_host(src: torch.Tensor, dst_shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def probe_all(shape: tuple[int, ...], repeats: int = 20, scattered: bool = False) -> list[ProbeResult]:
-    res = [probe_shm(shape, repeats, scattered)] + probe_cuda(shape, repeats, scattered)
-    res.append(ProbeResult("nixl", False, "no NIXL backend in pdlab yet (multi-node RDMA); one node uses "
-                                          "cuda-ipc or host"))
-    return res
+    from pdlab.kv.nixl_probe import probe_nixl
+
+    return [probe_shm(shape, repeats, scattered)] + probe_cuda(shape, repeats, scattered) + \
+        [probe_nixl(shape, repeats, scattered)]
 
 
 def fmt_bytes(n: Optional[int]) -> str:

@@ -51,7 +51,8 @@ class PullCopier:
     def __init__(self, pool: torch.Tensor, copy_fn: Callable[..., int] = copy_blocks):
         self.pool = pool
         self.copy_fn = copy_fn  # (src, src_blocks, dst, dst_blocks, non_blocking=) -> bytes; tests slow it down
-        self.cuda = pool.device.type == "cuda"
+        # a host-driven copy (nixl: blocks until the transfer is done) runs on the copy thread, also on CUDA
+        self.cuda = pool.device.type == "cuda" and not getattr(copy_fn, "host_driven", False)
         self.jobs: list[PullJob] = []  # submitted, not yet returned by poll(), oldest first
         self._wake = threading.Event()
         self._q: queue.Queue[Optional[PullJob]] = queue.Queue()

@@ -7,6 +7,7 @@ pool is opened once through a transport-specific handle exchanged at start-up:
 - `shm`      CPU pools live in /dev/shm; the peer maps the segment (pdlab.kv.shm).
 - `cuda-ipc` GPU pools exported with CUDA IPC handles; a device or peer copy (pdlab.kv.cuda_ipc).
 - `host`     GPU pools, each with a pinned shared host mirror; the GPU side stages D2H / H2D.
+- `nixl`     pools registered with a NIXL agent; the peer READs / WRITEs them over UCX (pdlab.kv.nixl).
 
 Modes: `pull` - the decode worker reads the prefill pool after prefill finished; `push` - the prefill
 worker writes each layer into the decode pool as the layer is computed (see PushCopier).
@@ -38,6 +39,7 @@ class TransferRecord:
     dst: str
     saved_bytes: int = 0  # prefix-cache blocks the decode side already held, not sent
     copy_s: float = 0.0  # time spent copying (push: less than end - start, the copies interleave with compute)
+    path: str = ""  # what the transport actually went through (nixl: backend and UCX lanes), Transport.path
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -149,6 +151,14 @@ class Transport:
     def sync(self) -> None:
         """Wait until copies issued so far are complete."""
 
+    def copy(self, src: object, src_blocks: Sequence[int], dst: object, dst_blocks: Sequence[int], **kw: object) -> int:
+        """The hand-over between our pool and an opened peer (copy_blocks; nixl: a READ or WRITE)."""
+        return copy_blocks(src, src_blocks, dst, dst_blocks, **kw)  # type: ignore[arg-type]
+
+    def path(self, peer: str) -> str:
+        """What a hand-over with `peer` (its handle name) actually went through, for the records."""
+        return self.name
+
     def close(self) -> None:
         self._peers.clear()
 
@@ -179,8 +189,15 @@ class ShmTransport(Transport):
 
 
 def make_transport(name: str, worker: str, run_prefix: str, device: str = "cpu",
-                   visible: Sequence[int] = ()) -> Transport:
-    """The transport end for one worker. `run_prefix` names its shared segments (swept on stop)."""
+                   visible: Sequence[int] = (), options: Optional[dict] = None) -> Transport:
+    """The transport end for one worker. `run_prefix` names its shared segments (swept on stop) and its
+    NIXL agent; `options`: the deployment's nixl section as plain data, plus `timeout_s`."""
+    if name == "nixl":
+        from pdlab.kv.nixl import NixlTransport
+
+        o = options or {}
+        return NixlTransport(worker, f"{run_prefix}{worker}", o.get("backends", ("UCX",)), o.get("ucx_tls", "auto"),
+                             device, o.get("timeout_s", 30.0))
     if name == "shm":
         return ShmTransport(worker, f"{run_prefix}{worker}-kv")
     if name in GPU_TRANSPORTS:

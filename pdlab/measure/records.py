@@ -87,6 +87,16 @@ class RunDir:
     def write_env(self, env: Optional[dict] = None) -> None:
         atomic_write(self.file("env.json"), dumps(env if env is not None else collect_env(), indent=2))
 
+    def update_env(self, **items: Any) -> None:
+        """Add or replace top-level keys of env.json (facts learned while the run goes, e.g. `transports`)."""
+        try:
+            with open(self.file("env.json")) as f:
+                env = json.load(f)
+        except (OSError, ValueError):
+            env = {}
+        env.update(items)
+        self.write_env(env)
+
     def write_summary(self, summary: dict) -> None:
         atomic_write(self.file("summary.json"), dumps(summary, indent=2))
 

@@ -129,7 +129,7 @@ def build_trace(requests: list[dict], steps: list[dict], transfers: list[dict],
             tids[(p, lane)] = len([k for k in tids if k[0] == p]) + 1
             ev.append({"ph": "M", "name": "thread_name", "pid": p, "tid": tids[(p, lane)], "args": {"name": lane}})
         dur = x["end"] - x["start"]
-        args = {k: x.get(k) for k in ("request", "bytes", "blocks", "transport", "mode", "saved_bytes")}
+        args = {k: x.get(k) for k in ("request", "bytes", "blocks", "transport", "mode", "saved_bytes", "path")}
         args.update(rate=_rate_text(x["rate"]), gb_s=(x.get("bytes") or 0) / dur / 1e9 if dur > 0 else None)
         ev.append({"ph": "X", "name": f"kv {x.get('request')}", "cat": "transfer", "pid": p, "tid": tids[(p, lane)],
                    "ts": us(x["start"]), "dur": max(0.0, round(dur * US, 3)), "args": args})

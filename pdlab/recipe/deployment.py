@@ -3,7 +3,7 @@
     {unified: {replicas: N, devices: [...]}, share_devices: false}
     {prefill: {replicas: N, devices: [...]}, decode: {replicas: M, devices: [...]},
      transport: shm|cuda-ipc|host|nixl, mode: pull|push, first_token: decode|prefill,
-     share_devices: false, transfer_timeout_s: 30}
+     share_devices: false, transfer_timeout_s: 30, nixl: {backends: [UCX], ucx_tls: auto}}
     both shapes also take step_timeout_s and control (a tcp:// address; ipc:// in a private directory otherwise)
 
 A group's devices are one spec per replica (`[cuda:0-3, cuda:4-7]` with replicas 2), or a list split
@@ -23,11 +23,13 @@ from pdlab.constants import (DEPLOYMENT_KINDS, FIRST_TOKEN_FROM, GPU_TRANSPORTS,
 from pdlab.devices import format_devices, overlaps, parse_devices
 from pdlab.fields import (RecipeError, Section, as_mapping, key_of, one_of, optional, section, spec, to_bool,
                           to_float, to_int)
+from pdlab.recipe.nixl import INSTALL_HINT, NixlConfig, nixl_module
 
 FORM = "{unified: {devices: [cpu:0]}} or {prefill: {devices: [cpu:0]}, decode: {devices: [cpu:1]}}"
 _COMMON = ("share_devices", "control", "step_timeout_s")
 KEYS = {"unified": ("kind", "unified", *_COMMON),
-        "disagg": ("kind", "prefill", "decode", "transport", "mode", "first_token", "transfer_timeout_s", *_COMMON)}
+        "disagg": ("kind", "prefill", "decode", "transport", "mode", "first_token", "transfer_timeout_s", "nixl",
+                   *_COMMON)}
 
 
 def _devices(v: Any) -> tuple[str, ...]:
@@ -104,6 +106,7 @@ class Deployment(Section):
                                                  "worker is declared hung)", to_float(0.0))
     control: Optional[str] = spec(None, "a tcp:// or ipc:// address (default: ipc:// in a private directory)",
                                   optional(_address))
+    nixl: Optional[NixlConfig] = spec(None, parse=section(NixlConfig))  # transport nixl only; filled then
     workers: tuple[PlannedWorker, ...] = spec((), derived=True)
 
     @property
@@ -180,12 +183,17 @@ class Deployment(Section):
                 raise RecipeError(f"{where}.transport: {transport} needs cuda devices; use shm on cpu")
             if kind == "cuda" and transport == "shm":
                 raise RecipeError(f"{where}.transport: shm moves CPU pools; GPU workers need cuda-ipc or host")
-            if transport == "nixl":
-                raise RecipeError(f"{where}.transport: nixl is not available yet: pdlab has no NIXL backend "
-                                  "(one node: use shm on cpu, cuda-ipc or host on cuda)")
-        return self.replace(transport=transport, workers=tuple(workers), **groups)
+            if transport == "nixl" and nixl_module() is None:
+                raise RecipeError(f"{where}.transport: nixl needs the optional extra, not installed here: "
+                                  f"{INSTALL_HINT}")
+        nixl = self.nixl
+        if transport == "nixl":
+            nixl = nixl or NixlConfig()
+        elif nixl is not None:
+            raise RecipeError(f"{where}.nixl: only for transport: nixl (this deployment uses {transport or 'none'})")
+        return self.replace(transport=transport, nixl=nixl, workers=tuple(workers), **groups)
 
     def to_raw(self) -> dict:
         """The shape's own keys only (recipe.yaml; loading it back gives this deployment)."""
         raw = super().to_raw()
-        return {k: raw[k] for k in KEYS[self.kind] if k in raw}
+        return {k: raw[k] for k in KEYS[self.kind] if k in raw and not (k == "nixl" and raw[k] is None)}

@@ -37,6 +37,7 @@ class _Worker:
     kv_total: Optional[int] = None
     steps: int = 0
     steps_per_s: float = 0.0
+    transport: str = ""  # disaggregated: the KV transport, then the path its hand-overs actually took
     _last: Optional[tuple[float, int]] = None
 
 
@@ -93,13 +94,14 @@ class LiveView:
 
     def update_worker(self, name: str, role: Optional[str] = None, devices: Optional[str] = None,
                       running: Optional[int] = None, waiting: Optional[int] = None, kv_used: Optional[int] = None,
-                      kv_total: Optional[int] = None, steps: Optional[int] = None, now: Optional[float] = None) -> None:
+                      kv_total: Optional[int] = None, steps: Optional[int] = None, now: Optional[float] = None,
+                      transport: Optional[str] = None) -> None:
         """A worker snapshot; `steps` is its cumulative step count (steps/s comes from the differences)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             w = self.workers.setdefault(name, _Worker(name))
             for k, v in (("role", role), ("devices", devices), ("running", running), ("waiting", waiting),
-                         ("kv_used", kv_used), ("kv_total", kv_total)):
+                         ("kv_used", kv_used), ("kv_total", kv_total), ("transport", transport)):
                 if v is not None:
                     setattr(w, k, v)
             if steps is not None:
@@ -160,11 +162,12 @@ class LiveView:
 
         with self._lock:
             wt = Table(title="workers", title_justify="left", expand=False)
-            for c in ("worker", "role", "devices", "running", "waiting", "KV use", "steps/s"):
-                wt.add_column(c, justify="right" if c not in ("worker", "role", "devices") else "left")
+            for c in ("worker", "role", "devices", "running", "waiting", "KV use", "steps/s", "KV transport"):
+                wt.add_column(c, justify="right" if c not in ("worker", "role", "devices", "KV transport") else "left")
             for w in self.workers.values():
                 kv = f"{100 * w.kv_used / w.kv_total:.0f}%" if w.kv_used is not None and w.kv_total else "—"
-                wt.add_row(w.name, w.role, w.devices, str(w.running), str(w.waiting), kv, f"{w.steps_per_s:.1f}")
+                wt.add_row(w.name, w.role, w.devices, str(w.running), str(w.waiting), kv, f"{w.steps_per_s:.1f}",
+                           w.transport or "—")
             slo = self.slo
             head = (f"SLO (per request): TTFT ≤ {slo.ttft_ms:.0f} ms and ITL {slo.itl_stat} ≤ {slo.itl_ms:.0f} ms"
                     if slo and not slo.relative else "SLO: relative, resolved after calibration")

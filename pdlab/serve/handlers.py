@@ -36,7 +36,8 @@ class RoleHandler:
         self.copier: Optional[PushCopier] = None
         self.puller: Optional[PullCopier] = None  # decode: started at the first Pull
         timing = self.spec.model.timing  # a timed engine: hand-overs take the modelled transfer time
-        self.copy_fn = copy_blocks if timing is None else modelled_copy(
+        copy = self.transport.copy if self.transport is not None else copy_blocks  # nixl: READ / WRITE
+        self.copy_fn = copy if timing is None else modelled_copy(
             self.eng.block_bytes, self.eng.dims["layers"], timing.transfer_of(self.spec.transport or ""))
         if self.role == "prefill" and self.spec.mode == "push":
             self.copier = PushCopier(self.eng.kv, self.copy_fn)
@@ -144,7 +145,8 @@ class RoleHandler:
                 self._fail(job.req_id, f"{self.w.name}: KV pull from {msg.src} failed: {job.error}")
             else:
                 rec = TransferRecord(job.req_id, job.bytes, blocks, job.start, job.end, self.transport.name, "pull",
-                                     msg.src, self.w.name, skip * self.eng.block_bytes, job.busy)
+                                     msg.src, self.w.name, skip * self.eng.block_bytes, job.busy,
+                                     self.transport.path(msg.src_pool["name"]))
                 self._start_decoding(job.req_id, msg.first_token, rec.to_dict())
         now = time.monotonic()
         for rid, (msg, _, _, job) in self.pulls.items():
@@ -193,7 +195,8 @@ class RoleHandler:
                 return self._fail(req_id, f"{self.w.name}: KV push to {tgt['dst']} failed: "
                                           f"{job.error if job else 'not pushed'}")
             rec = TransferRecord(req_id, job.bytes, len(job.src_blocks), job.start, job.end, self.transport.name, "push",
-                                 self.w.name, tgt["dst"], tgt["skip"] * self.eng.block_bytes, job.busy).to_dict()
+                                 self.w.name, tgt["dst"], tgt["skip"] * self.eng.block_bytes, job.busy,
+                                 self.transport.path(tgt["pool"]["name"])).to_dict()
         else:
             self.transport.stage_out(info.block_ids)  # host transport: D2H into this worker's mirror
         self.w._send(m.PrefillDone(self.w.name, req_id, info.first_token, info.block_ids,

@@ -41,6 +41,7 @@ class WorkerSpec:
     transfer_timeout_s: float
     heartbeat_s: float = HEARTBEAT_S
     tp: int = 1  # tensor-parallel ranks: this process is rank 0 on devices[0], followers take the rest
+    nixl: Optional[dict] = None  # transport nixl: the deployment's nixl section, plain data
 
     def to_raw(self) -> dict:
         """Plain data for the spawn arguments: nothing pickled needs pdlab classes."""
@@ -123,7 +124,8 @@ class Worker:
             if spec.transport and self.role != "unified":
                 from pdlab.kv.transfer import make_transport
 
-                self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus)
+                self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus,
+                                                {**(spec.nixl or {}), "timeout_s": spec.transfer_timeout_s})
                 kv_alloc = self.transport.kv_alloc
             self.engine = Engine(self.model, spec.engine, role=self.role, kv_alloc=kv_alloc,
                                  step_timing=spec.model.timing, tp_channel=self.tp and self.tp.channel)

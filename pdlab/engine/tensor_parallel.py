@@ -18,6 +18,7 @@ pdlab.serve.tp_follower) rebuild the same attention context and run the same for
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -25,6 +26,9 @@ import msgpack
 import torch
 
 OP_STEP, OP_STOP = 1, 2
+# Seconds this process spent in the model's all-reduces (waiting for the slower rank included) and how
+# many: what benchmarks/bench_tp.py reports as TP's communication share of a step.
+COMM = {"seconds": 0.0, "calls": 0}
 
 
 def tp_error(heads: int, kv_heads: int, intermediate: int, tp: int) -> Optional[str]:
@@ -67,7 +71,10 @@ def _keep_in(linear: torch.nn.Linear, part: slice, rank: int, group: Any) -> Non
         linear.bias = torch.nn.Parameter(torch.zeros_like(linear.bias.data), requires_grad=False)
 
     def reduce(_mod: Any, _inp: Any, out: torch.Tensor) -> torch.Tensor:
+        t = time.perf_counter()
         dist.all_reduce(out, group=group)
+        COMM["seconds"] += time.perf_counter() - t
+        COMM["calls"] += 1
         return out
 
     linear.register_forward_hook(reduce)
@@ -154,6 +161,11 @@ class StepChannel:
         dist.broadcast(torch.tensor([op, len(payload)], dtype=torch.int64), src=0, group=self.group)
         if payload:
             dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.group)
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        dist.barrier(group=self.group)
 
     def recv(self) -> tuple[int, bytes]:
         import torch.distributed as dist

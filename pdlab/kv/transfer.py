@@ -131,10 +131,16 @@ class Transport:
         raise NotImplementedError
 
     def open(self, handle: dict) -> torch.Tensor:
-        """The peer's exchange tensor, mapped once and cached by name."""
+        """The peer's exchange tensor, mapped once and cached by name (a tensor-parallel peer: its shards,
+        as a pdlab.kv.sharded.ShardedPool)."""
         key = handle["name"]
         if key not in self._peers:
-            self._peers[key] = self._open(handle)
+            if handle.get("kind") == "sharded":
+                from pdlab.kv.sharded import ShardedPool
+
+                self._peers[key] = ShardedPool([self.open(h) for h in handle["shards"]], handle["kv_heads"])
+            else:
+                self._peers[key] = self._open(handle)
         return self._peers[key]
 
     def exchange(self) -> torch.Tensor:
@@ -152,7 +158,14 @@ class Transport:
         """Wait until copies issued so far are complete."""
 
     def copy(self, src: object, src_blocks: Sequence[int], dst: object, dst_blocks: Sequence[int], **kw: object) -> int:
-        """The hand-over between our pool and an opened peer (copy_blocks; nixl: a READ or WRITE)."""
+        """The hand-over between our pool and an opened peer (copy_blocks; nixl: a READ or WRITE); between
+        tensor-parallel groups, shard by shard with the heads re-sliced."""
+        from pdlab.kv.sharded import ShardedPool, as_sharded, copy_sharded
+
+        if isinstance(src, ShardedPool) or isinstance(dst, ShardedPool):
+            heads = (src if isinstance(src, ShardedPool) else dst).kv_heads  # type: ignore[union-attr]
+            return copy_sharded(as_sharded(src, heads), src_blocks, as_sharded(dst, heads), dst_blocks, copy_blocks,
+                                **kw)  # type: ignore[arg-type]
         return copy_blocks(src, src_blocks, dst, dst_blocks, **kw)  # type: ignore[arg-type]
 
     def path(self, peer: str) -> str:

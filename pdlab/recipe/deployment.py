@@ -159,9 +159,6 @@ class Deployment(Section):
                     raise RecipeError(f"{key_of(where, role)}: each worker has {len(d)} device(s) ({format_devices(parse_devices(d))}) "
                                       f"but tp is {group.tp}; a worker computes on one device per tensor-parallel "
                                       f"rank: set tp: {len(d)} or give one device per replica")
-            if group.tp > 1 and self.disaggregated:
-                raise RecipeError(f"{key_of(where, role)}.tp: tensor parallelism is built for unified workers only "
-                                  "so far (a KV hand-over between sharded pools is not); use tp: 1 here")
             groups[role] = WorkerGroup(replicas=len(per), devices=tuple(format_devices(parse_devices(d)) for d in per),
                                        tp=group.tp)
             workers += [PlannedWorker(f"{role}{i}", role, tuple(d), group.tp) for i, d in enumerate(per)]
@@ -186,6 +183,10 @@ class Deployment(Section):
             if transport == "nixl" and nixl_module() is None:
                 raise RecipeError(f"{where}.transport: nixl needs the optional extra, not installed here: "
                                   f"{INSTALL_HINT}")
+            for role in self.roles:
+                if groups[role].tp > 1 and transport != "shm":
+                    raise RecipeError(f"{key_of(where, role)}.tp: a hand-over between tensor-parallel workers is "
+                                      f"built for transport shm only so far (not {transport}); use tp: 1 here")
         nixl = self.nixl
         if transport == "nixl":
             nixl = nixl or NixlConfig()

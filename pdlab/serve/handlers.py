@@ -39,8 +39,12 @@ class RoleHandler:
         copy = self.transport.copy if self.transport is not None else copy_blocks  # nixl: READ / WRITE
         self.copy_fn = copy if timing is None else modelled_copy(
             self.eng.block_bytes, self.eng.dims["layers"], timing.transfer_of(self.spec.transport or ""))
+        self.pool = getattr(worker, "pool", self.eng.kv)  # a tensor-parallel group: every rank's shard
+        # Rank 0's layer hook fires before the other ranks have necessarily written that layer; they have
+        # written the layer before (its all-reduce is behind every rank), so a sharded push lags one layer.
+        self.lag = 1 if getattr(self.pool, "tp", 1) > 1 else 0
         if self.role == "prefill" and self.spec.mode == "push":
-            self.copier = PushCopier(self.eng.kv, self.copy_fn)
+            self.copier = PushCopier(self.pool, self.copy_fn)
             self.eng.layer_hook = self._layer_hook
 
     # ---- messages ----
@@ -127,7 +131,7 @@ class RoleHandler:
         try:
             src = self.transport.open(msg.src_pool)
             if self.puller is None:
-                self.puller = PullCopier(self.eng.kv, self.copy_fn)
+                self.puller = PullCopier(self.pool, self.copy_fn)
             job = self.puller.submit(msg.req_id, src, msg.src_blocks[skip:], r.block_ids[skip:])
         except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
             self.eng.cancel_reservation(msg.req_id)
@@ -182,7 +186,8 @@ class RoleHandler:
                 jobs.append(PushJob(rid, seq.block_table[skip:n], self.transport.open(tgt["pool"]),
                                     tgt["blocks"][skip:n]))
             self.copier.begin(jobs)
-        self.copier.on_layer(layer)
+        if layer >= self.lag:
+            self.copier.on_layer(layer - self.lag)
 
     def _handoff(self, req_id: str, jobs: dict[str, PushJob]) -> None:
         info, seq = self.eng.handoff(req_id), self.seqs.get(req_id)
@@ -206,6 +211,8 @@ class RoleHandler:
     # ---- the step ----
     def step(self) -> None:
         out = self.eng.step()
+        if self.copier is not None and self.lag:
+            self.copier.on_layer(self.eng.dims["layers"] - 1)  # the forward is over on every rank
         jobs = {j.req_id: j for j in self.copier.finish(self.spec.transfer_timeout_s)} if self.copier else {}
         if out.record is not None:
             self.w.step_record(out.record)

@@ -78,10 +78,27 @@ class TensorGroup:
         return _load(self.spec, 0, self.group)
 
     def start(self, num_blocks: int) -> None:
-        """Tell the followers the pool size rank 0's engine chose (they allocate the same block count)."""
+        """Tell the followers the pool size rank 0's engine chose (they allocate the same block count) and
+        wait until every shard exists."""
         from pdlab.engine.tensor_parallel import OP_STEP
 
         self.channel.send(OP_STEP, num_blocks.to_bytes(8, "little"))
+        self.channel.barrier()
+
+    def export(self, own: dict, kv_heads: int) -> dict:
+        """The group's pool handle for peers: rank 0's shard handle, and the followers' (same shape, their
+        segment names), so a peer can re-slice heads across groups of different sizes (pdlab.kv.sharded)."""
+        shards = [own] + [dict(own, name=shard_segment(self.spec, r)) for r in range(1, self.spec.tp)]
+        return {"kind": "sharded", "name": f"{own['name']}-group", "kv_heads": kv_heads, "shards": shards}
+
+    def pool(self, own: Any, kv_heads: int) -> Any:
+        """This group's pool as rank 0 copies into or out of it: its own shard and the followers' mapped."""
+        from pdlab.kv import shm
+        from pdlab.kv.sharded import ShardedPool
+
+        self._mapped = [shm.attach(shard_segment(self.spec, r), list(own.shape), own.dtype)
+                        for r in range(1, self.spec.tp)]
+        return ShardedPool([own] + [x.tensor for x in self._mapped], kv_heads)
 
     def close(self) -> None:
         from pdlab.engine.tensor_parallel import OP_STOP
@@ -106,6 +123,11 @@ class TensorGroup:
         except Exception:  # noqa: BLE001
             pass
         shutil.rmtree(self.store_dir, ignore_errors=True)
+
+
+def shard_segment(spec: Any, rank: int) -> str:
+    """The shared-memory segment of a follower's KV shard (a disaggregated role with transport shm)."""
+    return f"{spec.run_prefix}{spec.name}-kv-r{rank}"
 
 
 def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
@@ -139,19 +161,32 @@ def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
         return
     blocks = int.from_bytes(payload, "little")
     param = next(model.parameters())
-    kv = torch.zeros((dims["layers"], 2, blocks, spec.engine.block_size, dims["kv_heads"], dims["head_dim"]),
-                     dtype=param.dtype, device=param.device)
-    runner = ModelRunner(model, kv, spec.engine.block_size)
-    while True:
-        op, payload = channel.recv()
-        if op != OP_STEP:
-            break
-        seqs, ns, ds = read_step(payload)
-        ids, pos, ctx, _ = runner.prepare(seqs, ns, ds)
-        runner.forward(ids, pos, ctx, [])  # rank 0 samples
-    import torch.distributed as dist
+    shape = (dims["layers"], 2, blocks, spec.engine.block_size, dims["kv_heads"], dims["head_dim"])
+    alloc = None
+    if spec.role != "unified" and spec.transport == "shm":  # rank 0 hands this shard over: in /dev/shm
+        from pdlab.kv.shm import ShmAllocator
 
-    dist.destroy_process_group()
+        alloc = ShmAllocator(shard_segment(spec, rank))
+        kv = alloc(shape, param.dtype)
+        kv.zero_()
+    else:
+        kv = torch.zeros(shape, dtype=param.dtype, device=param.device)
+    try:
+        channel.barrier()
+        runner = ModelRunner(model, kv, spec.engine.block_size)
+        while True:
+            op, payload = channel.recv()
+            if op != OP_STEP:
+                break
+            seqs, ns, ds = read_step(payload)
+            ids, pos, ctx, _ = runner.prepare(seqs, ns, ds)
+            runner.forward(ids, pos, ctx, [])  # rank 0 samples
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    finally:
+        if alloc is not None and alloc.segment is not None:
+            alloc.segment.unlink()
 
 
 if __name__ == "__main__":

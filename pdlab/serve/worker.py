@@ -138,8 +138,15 @@ class Worker:
             raise
         from pdlab.serve.handlers import RoleHandler
 
+        handle, self.pool = None, self.engine.kv  # what hand-overs copy into / out of: the whole group's pool
+        if self.transport is not None:
+            handle = self.transport.export()
+            if self.tp is not None:
+                kv_heads = self.model.config.num_key_value_heads or self.model.config.num_attention_heads
+                handle = self.tp.export(handle, kv_heads)
+                self.pool = self.tp.pool(self.engine.kv, kv_heads)
         self.handler = RoleHandler(self)
-        self._send(m.Ready(self.name, os.getpid(), self.transport.export() if self.transport else None,
+        self._send(m.Ready(self.name, os.getpid(), handle,
                            self.engine.blocks.num_blocks, self.engine.config.block_size))
 
     def _send(self, msg: Any) -> None:

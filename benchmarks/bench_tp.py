@@ -1,0 +1,121 @@
+"""Tensor parallelism on the CPU box (issue 9's performance targets), TP 2 against TP 1, side by side:
+
+  1. prefill of one 2,000-token prompt (target: TP 2 at most 0.65x the TP 1 time);
+  2. a decode step at 32 running sequences of ~500 tokens of context, and the share of it spent in the
+     all-reduces (target: under 15%; measured on rank 0, so waiting for the slower rank counts);
+  3. token parity of the two on the measured requests (greedy).
+
+    python benchmarks/bench_tp.py                    # cpu-demo, float32, cores 0 and 1
+    python benchmarks/bench_tp.py --preset tiny-llama --reps 3
+
+TP 1 runs in this process pinned to core 0 with one thread; TP 2 puts rank 0 (this process, the engine)
+on core 0 and a follower on core 1, exactly as a worker with `devices: [cpu:0-1], tp: 2` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+
+import torch
+
+
+def spec(preset: str, dtype: str, tp: int):
+    from pdlab.engine.config import EngineConfig
+    from pdlab.recipe import ModelSpec
+    from pdlab.serve.worker import WorkerSpec
+
+    return WorkerSpec("bench", "unified", tuple(f"cpu:{i}" for i in range(tp)), "ipc:///dev/null",
+                      ModelSpec.from_raw({"preset": preset, "dtype": dtype}, "model"),
+                      EngineConfig(block_size=16, kv_blocks=512, token_budget=4096, max_running=64,
+                                   prefix_caching=False),
+                      0, None, "pull", "bench-", "decode", (), 30.0, tp=tp)
+
+
+def measure(engine, prompt_len: int, batch: int, ctx: int, reps: int, vocab: int) -> dict:
+    from pdlab.engine import SamplingParams
+    from pdlab.engine.tensor_parallel import COMM
+
+    g = torch.Generator().manual_seed(0)
+    out: dict = {"prefill_s": [], "decode_s": [], "comm_share": []}
+    tokens = []
+    for r in range(reps):
+        p = torch.randint(3, vocab, (prompt_len,), generator=g).tolist()
+        engine.add(f"p{r}", p, SamplingParams(max_tokens=1, ignore_eos=True))
+        t = time.perf_counter()
+        step = engine.step()
+        out["prefill_s"].append(time.perf_counter() - t)
+        tokens.append(step.tokens[0].token_id)
+    seqs = [torch.randint(3, vocab, (ctx,), generator=g).tolist() for _ in range(batch)]
+    for i, p in enumerate(seqs):
+        engine.add(f"d{i}", p, SamplingParams(max_tokens=4 + reps, ignore_eos=True))
+    while any(engine.sequence(f"d{i}") and not engine.sequence(f"d{i}").output_ids for i in range(batch)):
+        engine.step()  # prefill them all
+    for _ in range(reps):
+        c0 = COMM["seconds"]
+        t = time.perf_counter()
+        step = engine.step()
+        dt = time.perf_counter() - t
+        assert step.record.decode_seqs == batch and step.record.prefill_tokens == 0
+        out["decode_s"].append(dt)
+        out["comm_share"].append((COMM["seconds"] - c0) / dt)
+        tokens += [x.token_id for x in step.tokens]
+    while engine.has_work():
+        engine.step()
+    return {k: statistics.median(v) for k, v in out.items()} | {"tokens": tokens}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="cpu-demo")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--prompt-len", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--ctx", type=int, default=500)
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    os.sched_setaffinity(0, [0])
+    torch.set_num_threads(1)
+    from pdlab.engine import Engine, load_model
+    from pdlab.engine.model import model_dims
+    from pdlab.serve.tensor_group import TensorGroup
+
+    res = {}
+    s1 = spec(args.preset, args.dtype, 1)
+    m1 = load_model(s1.model, seed=0)
+    vocab = model_dims(m1)["vocab_size"]
+    res["tp1"] = measure(Engine(m1, s1.engine), args.prompt_len, args.batch, args.ctx, args.reps, vocab)
+    del m1
+    s2 = spec(args.preset, args.dtype, 2)
+    group = TensorGroup(s2)
+    try:
+        e2 = Engine(group.load(), s2.engine, tp_channel=group.channel)
+        group.start(e2.blocks.num_blocks)
+        res["tp2"] = measure(e2, args.prompt_len, args.batch, args.ctx, args.reps, vocab)
+    finally:
+        group.close()
+    t1, t2 = res["tp1"], res["tp2"]
+    same = sum(a == b for a, b in zip(t1.pop("tokens"), t2.pop("tokens")))
+    report = {
+        "machine": f"{platform.node()} {os.cpu_count()} cores", "torch": torch.__version__,
+        "preset": args.preset, "dtype": args.dtype, "date": time.strftime("%Y-%m-%d %H:%M"),
+        "prefill_ms": {"tp1": 1000 * t1["prefill_s"], "tp2": 1000 * t2["prefill_s"],
+                       "ratio": t2["prefill_s"] / t1["prefill_s"], "target": "<= 0.65"},
+        "decode_step_ms": {"tp1": 1000 * t1["decode_s"], "tp2": 1000 * t2["decode_s"],
+                           "ratio": t2["decode_s"] / t1["decode_s"]},
+        "tp2_decode_comm_share": {"value": t2["comm_share"], "target": "< 0.15"},
+        "prefill_comm_share_note": "all-reduce time on rank 0, waiting for rank 1 included",
+        "tokens_equal": f"{same}/{args.reps + args.reps * args.batch}",
+    }
+    print(json.dumps(report, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,98 @@
+"""KV hand-over between tensor-parallel groups of different sizes: re-slicing KV heads in the copy.
+
+A worker with `tp: t` keeps its paged pool as t shards, one per rank, each [layers, 2, blocks, block_size,
+local_heads, head_dim] holding a slice of the model's KV heads (pdlab.engine.tensor_parallel): ranks hold
+contiguous slices when kv_heads >= t, else one head each, replicated on t / kv_heads ranks. All ranks of a
+group share one block table (the scheduler runs on rank 0), so block i of every shard belongs to the same
+request. A hand-over from a group of a ranks to one of b ranks copies, for every destination shard, each
+of its heads from a source shard that holds it; when a == b and the heads line up, each shard pair is one
+ordinary block copy (pdlab.kv.transfer.copy_blocks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from pdlab.kv.transfer import block_runs
+
+
+def shard_heads(kv_heads: int, tp: int, rank: int) -> range:
+    """The model's KV heads held by `rank` of a `tp`-rank group."""
+    if kv_heads >= tp:
+        k = kv_heads // tp
+        return range(rank * k, (rank + 1) * k)
+    h = rank * kv_heads // tp
+    return range(h, h + 1)
+
+
+@dataclass
+class ShardedPool:
+    """A group's pool: its shards in rank order and the model's KV head count."""
+
+    shards: list[torch.Tensor]
+    kv_heads: int
+
+    @property
+    def tp(self) -> int:
+        return len(self.shards)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.shards[0].shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.shards[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shards[0].dtype
+
+    def heads(self, rank: int) -> range:
+        return shard_heads(self.kv_heads, self.tp, rank)
+
+
+def as_sharded(pool: object, kv_heads: int) -> ShardedPool:
+    return pool if isinstance(pool, ShardedPool) else ShardedPool([pool], kv_heads)  # type: ignore[list-item]
+
+
+def plan(src: ShardedPool, dst: ShardedPool) -> list[tuple[int, int, slice, slice]]:
+    """(src rank, dst rank, src head slice, dst head slice): every head of every destination shard once."""
+    if src.kv_heads != dst.kv_heads:
+        raise ValueError(f"pools hold different models: {src.kv_heads} vs {dst.kv_heads} KV heads")
+    out = []
+    for j in range(dst.tp):
+        dh = dst.heads(j)
+        h = dh.start
+        while h < dh.stop:
+            i = next(r for r in range(src.tp) if h in src.heads(r))
+            sh = src.heads(i)
+            hi = min(dh.stop, sh.stop)
+            out.append((i, j, slice(h - sh.start, hi - sh.start), slice(h - dh.start, hi - dh.start)))
+            h = hi
+    return out
+
+
+def copy_sharded(src: ShardedPool, src_blocks: Sequence[int], dst: ShardedPool, dst_blocks: Sequence[int],
+                 inner: Callable[..., int], layer: int | None = None, non_blocking: bool = False) -> int:
+    """Copy blocks between two groups' pools, re-slicing heads; returns the bytes written."""
+    if not src_blocks:
+        return 0
+    total = 0
+    runs = None
+    for i, j, s, d in plan(src, dst):
+        a, b = src.shards[i], dst.shards[j]
+        if s == slice(0, a.shape[4]) and d == slice(0, b.shape[4]):  # whole shards line up: a plain copy
+            total += inner(a, src_blocks, b, dst_blocks, layer=layer, non_blocking=non_blocking)
+            continue
+        runs = runs or block_runs(src_blocks, dst_blocks)
+        sa = a if layer is None else a[layer:layer + 1]
+        db = b if layer is None else b[layer:layer + 1]
+        for s0, d0, n in runs:
+            part = sa[:, :, s0:s0 + n, :, s]
+            db[:, :, d0:d0 + n, :, d].copy_(part, non_blocking=non_blocking)
+            total += part.numel() * part.element_size()
+    return total

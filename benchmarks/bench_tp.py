@@ -3,7 +3,9 @@
   1. prefill of one 2,000-token prompt (target: TP 2 at most 0.65x the TP 1 time);
   2. a decode step at 32 running sequences of ~500 tokens of context, and the share of it spent in the
      all-reduces (target: under 15%; measured on rank 0, so waiting for the slower rank counts);
-  3. token parity of the two on the measured requests (greedy).
+  3. token parity of the two on the measured requests (greedy);
+  4. a KV hand-over of 2,000 tokens between groups of TP 1->2 and 2->1 against 1->1 and 2->2 (heads
+     re-sliced; target: at least 70% of the same-TP bandwidth), in this process.
 
     python benchmarks/bench_tp.py                    # cpu-demo, float32, cores 0 and 1
     python benchmarks/bench_tp.py --preset tiny-llama --reps 3
@@ -69,6 +71,38 @@ def measure(engine, prompt_len: int, batch: int, ctx: int, reps: int, vocab: int
     return {k: statistics.median(v) for k, v in out.items()} | {"tokens": tokens}
 
 
+def handover(preset: str, dtype: str, tokens: int, reps: int) -> dict:
+    """GB/s of a hand-over of `tokens` of KV between groups of TP a and b, in one process (shm-like memory):
+    a == b copies whole shards, a != b re-slices heads (target: at least 70% of the same-TP bandwidth)."""
+    from pdlab.engine.model import PRESETS
+    from pdlab.kv.sharded import ShardedPool, copy_sharded, shard_heads
+    from pdlab.kv.transfer import copy_blocks
+
+    p = PRESETS[preset]
+    bs, head_dim = 16, p.head_dim or p.hidden_size // p.heads
+    nb = -(-tokens // bs)
+    dt = getattr(torch, dtype)
+
+    def group(tp: int) -> ShardedPool:
+        return ShardedPool([torch.randn(p.layers, 2, 2 * nb, bs, len(shard_heads(p.kv_heads, tp, r)), head_dim)
+                            .to(dt) for r in range(tp)], p.kv_heads)
+
+    src_blocks, dst_blocks = list(range(nb)), list(range(nb, 2 * nb))
+    out = {}
+    for a, b in ((1, 1), (2, 2), (1, 2), (2, 1)):
+        src, dst = group(a), group(b)
+        times, n = [], 0
+        for _ in range(reps):
+            t = time.perf_counter()
+            n = copy_sharded(src, src_blocks, dst, dst_blocks, copy_blocks)
+            times.append(time.perf_counter() - t)
+        out[f"{a}->{b}"] = {"ms": 1000 * statistics.median(times), "GB/s": n / statistics.median(times) / 1e9}
+    for k in ("1->2", "2->1"):
+        same = out["2->2"]["GB/s"] if k == "1->2" else out["1->1"]["GB/s"]
+        out[k]["vs same TP"] = out[k]["GB/s"] / same
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="cpu-demo")
@@ -77,6 +111,7 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--ctx", type=int, default=500)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--handover-tokens", type=int, default=2000)
     args = ap.parse_args()
 
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
@@ -112,6 +147,7 @@ def main() -> int:
         "tp2_decode_comm_share": {"value": t2["comm_share"], "target": "< 0.15"},
         "prefill_comm_share_note": "all-reduce time on rank 0, waiting for rank 1 included",
         "tokens_equal": f"{same}/{args.reps + args.reps * args.batch}",
+        "handover": handover(args.preset, args.dtype, args.handover_tokens, max(args.reps, 5)),
     }
     print(json.dumps(report, indent=2))
     return 0

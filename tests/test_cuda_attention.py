@@ -116,3 +116,14 @@ def test_step_times_include_the_device_wait():
     rec = eng.step().record
     assert rec.forward_s >= 0.05
     assert eng.sequence("a").t_prefill_end - t0 >= 0.05
+
+
+def test_the_kernel_in_use_is_recorded(monkeypatch):
+    assert ca.describe("cpu", torch.float32, 64, 16) == {"kernel": "sdpa", "paged": False, "flash_attn": None}
+    monkeypatch.setattr(ca, "flash_module", lambda: FakeFlash)
+    assert ca.describe("cuda", torch.bfloat16, 128, 256) == {"kernel": "flash-attn", "paged": True,
+                                                              "flash_attn": "fake"}
+    assert ca.env_summary()["cuda_fp16_bf16"] == "flash-attn"
+    monkeypatch.setattr(ca, "flash_module", lambda: None)
+    assert ca.env_summary() == {"cpu": "sdpa", "cuda_fp16_bf16": "sdpa-expanded", "cuda_fp32": "sdpa-expanded",
+                                "flash_attn": None}

@@ -109,3 +109,19 @@ def flash_attend(meta: FlashMeta, q: torch.Tensor, k_blocks: torch.Tensor, v_blo
         k = k_blocks.view(-1, kv_heads, head_dim).index_select(0, meta.kv_index)
         v = v_blocks.view(-1, kv_heads, head_dim).index_select(0, meta.kv_index)
     return fa.flash_attn_varlen_func(q, k, v, meta.cu_q, meta.cu_k, meta.max_q, meta.max_k, **kw)
+
+
+def describe(device_type: str, dtype: torch.dtype, head_dim: int, block_size: int) -> dict:
+    """What a runner with these settings uses, for benchmark output and env.json."""
+    flash = flash_module() if device_type == "cuda" else None
+    kernel = kernel_for(device_type, dtype, head_dim, flash)
+    return {"kernel": kernel, "paged": kernel == "flash-attn" and supports_paged(flash, block_size),
+            "flash_attn": flash_version() if device_type == "cuda" else None}
+
+
+def env_summary() -> dict:
+    """env.json's `attention`: the kernel each device kind gets in this environment (a run's workers choose
+    by the same rule: pdlab.engine.runner)."""
+    flash = flash_module()
+    return {"cpu": "sdpa", "cuda_fp16_bf16": "flash-attn" if flash is not None else "sdpa-expanded",
+            "cuda_fp32": "sdpa-expanded", "flash_attn": flash_version()}

@@ -91,3 +91,18 @@ def test_cpu_workers_are_placed_as_before(monkeypatch):
     monkeypatch.setattr(topology, "cpu_cores", lambda: [0, 1])
     p = place(_deployment({"unified": {"replicas": 2, "devices": ["cpu:0", "cpu:1"]}}))
     assert [(x.visible_gpus, x.host_cores, x.memory_share) for x in p] == [((), (), 1.0)] * 2
+
+
+def test_worker_spec_carries_gpu_entries_shares_cores_and_peers_through_spawn():
+    import json
+
+    from pdlab.engine.config import EngineConfig
+    from pdlab.recipe.model import ModelSpec
+    from pdlab.serve.worker import WorkerSpec
+
+    spec = WorkerSpec("decode0", "decode", ("cuda:1",), "ipc:///x", ModelSpec.from_raw({"preset": "tiny-llama"}, "m"),
+                      EngineConfig(), 0, "cuda-ipc", "pull", "pdlab-x-", "decode", (MIG_B, UUID_A), 30.0,
+                      memory_share=0.5, host_cores=(3, 4), peers=("prefill0", "prefill1"))
+    back = WorkerSpec.from_raw(json.loads(json.dumps(spec.to_raw())))  # plain data, as spawned
+    assert back == spec
+    assert back.visible_gpus == (MIG_B, UUID_A) and back.host_cores == (3, 4) and back.memory_share == 0.5

@@ -106,3 +106,14 @@ def test_worker_spec_carries_gpu_entries_shares_cores_and_peers_through_spawn():
     back = WorkerSpec.from_raw(json.loads(json.dumps(spec.to_raw())))  # plain data, as spawned
     assert back == spec
     assert back.visible_gpus == (MIG_B, UUID_A) and back.host_cores == (3, 4) and back.memory_share == 0.5
+
+
+def test_main_process_keeps_the_core_gpu_workers_leave_it(monkeypatch):
+    from pdlab.harness import worker_cores
+    from pdlab.recipe import parse_recipe
+
+    monkeypatch.setattr(topology, "cpu_cores", lambda: list(range(8)))
+    raw = {"name": "g", "model": {"preset": "tiny-llama"}, "rates": [1],
+           "variants": {"d": {"deployment": {"prefill": {"devices": ["cuda:0"]}, "decode": {"devices": ["cuda:0"]},
+                                             "share_devices": True}}}}
+    assert worker_cores(parse_recipe(raw)) == set(range(1, 8))  # core 0 is the main process's

@@ -93,14 +93,25 @@ def test_cpu_runner_keeps_sdpa_and_never_synchronizes(monkeypatch):
         raise AssertionError("a CPU step must not call CUDA")
 
     monkeypatch.setattr(torch.cuda, "synchronize", boom)
+    monkeypatch.setattr(torch.cuda, "current_stream", boom)
     eng = Engine(model("tiny-llama"), EngineConfig(kv_blocks=32))
     assert eng.runner.kernel == "sdpa" and not eng.runner.paged
     run(eng, prompts([6]), max_tokens=2)
 
 
-def test_cuda_runner_sync_waits_for_its_device(monkeypatch):
+def test_cuda_runner_sync_waits_for_its_compute_stream_only(monkeypatch):
+    """Not the whole device: KV copies on the pull/push side streams keep overlapping the next step."""
     seen = []
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda dev=None: seen.append(dev))
+
+    class Stream:
+        def __init__(self, dev):
+            self.dev = dev
+
+        def synchronize(self):
+            seen.append(self.dev)
+
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: seen.append("whole device"))
     runner = ModelRunner.__new__(ModelRunner)
     runner.device = torch.device("cuda", 1)
     runner.sync()

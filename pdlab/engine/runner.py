@@ -57,9 +57,11 @@ class ModelRunner:
         self.paged = self.kernel == "flash-attn" and ca.supports_paged(flash, block_size)
 
     def sync(self) -> None:
-        """Wait for the step's kernels (CUDA only; a CPU step has finished when forward returns)."""
+        """Wait for the step's kernels (CUDA only; a CPU step has finished when forward returns). Only the
+        compute stream: a whole-device synchronize would also wait for KV copies running on the pull and
+        push side streams, stalling the decode steps those copies are meant to overlap."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int],
                 decode: list[bool]) -> tuple[list[int], list[int], AttnContext, list[int]]:

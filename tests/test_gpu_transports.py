@@ -64,3 +64,15 @@ def test_host_pieces_of_one_layer():
     for d, s in host_device_pieces(src[1:2], dst[1:2], block_runs([3, 4], [0, 1])):
         d.copy_(s)
     assert torch.equal(dst[1, :, 0:2], src[1, :, 3:5]) and not dst[0].any() and not dst[2].any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_real_cuda_ipc_exports_take_one_ref_slot_each():
+    """torch's own reduce_tensor, on a GPU: each peer's export has a ref-count slot of its own."""
+    t = CudaIpcTransport("prefill0", "cuda:0", ["0"], peers=("decode0", "decode1"))
+    t.kv_alloc(SHAPE, torch.bfloat16)
+    h = t.export()
+    a, b = h["per_peer"]["decode0"], h["per_peer"]["decode1"]
+    assert (a["ref_handle"], a["ref_offset"]) != (b["ref_handle"], b["ref_offset"])
+    assert a["gpu"] == b["gpu"] == "0" and a["storage_size"] == b["storage_size"]

@@ -27,6 +27,7 @@
 set -u -o pipefail
 
 PY=${PYTHON:-python}
+PDLAB=("$PY" -m pdlab.cli)  # the CLI of the same interpreter, whether or not `pdlab` is on PATH
 BUDGET_S=${BUDGET_S:-570}
 OUT_DIR=${1:-${OUT:-runs/gpu-check-$(date +%Y%m%d-%H%M%S)}}
 mkdir -p "$OUT_DIR"
@@ -56,7 +57,9 @@ step() {
     printf '%s\t%s\t%s\t%s\n' "$name" "$rc" "$dt" "$limit" >> "$SUMMARY"
     if [ "$rc" -ne 0 ]; then
         FAILED=$((FAILED + 1))
-        echo "   FAILED rc=$rc after ${dt}s (124: time limit); last lines of $OUT_DIR/$name.log:"
+        local why=""
+        [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why=" (time limit)"
+        echo "   FAILED rc=$rc$why after ${dt}s; last lines of $OUT_DIR/$name.log:"
         tail -n 15 "$OUT_DIR/$name.log" | sed 's/^/   | /'
     else
         echo "   ok in ${dt}s"
@@ -108,9 +111,9 @@ print(\"torch cuda\", torch.version.cuda)' | tee \"$OUT_DIR/env.json\""
 step tests 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/ --junitxml="$OUT_DIR/tests.xml"
 step bench 170 "$PY" benchmarks/bench_engine.py --device cuda --dtype bfloat16 --preset gpu-0.6b --prompts 64 \
     --json "$OUT_DIR/bench_engine.json"
-step run 200 pdlab run "$RECIPE" --out "$OUT_DIR/run"
-step doctor 60 bash -c "pdlab doctor --json > \"$OUT_DIR/doctor.json\""
-step profile 150 pdlab profile --model gpu-0.6b --device cuda:0 --steps 200 --out "$OUT_DIR/profile-gpu-0.6b.yaml"
+step run 200 "${PDLAB[@]}" run "$RECIPE" --out "$OUT_DIR/run"
+step doctor 60 bash -c "\"$PY\" -m pdlab.cli doctor --json > \"$OUT_DIR/doctor.json\""
+step profile 150 "${PDLAB[@]}" profile --model gpu-0.6b --device cuda:0 --steps 200 --out "$OUT_DIR/profile-gpu-0.6b.yaml"
 
 echo "== done in $(($(date +%s) - T0))s, $FAILED failed step(s); summary: $SUMMARY"
 column -t "$SUMMARY" 2>/dev/null || cat "$SUMMARY"

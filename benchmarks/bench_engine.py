@@ -6,6 +6,8 @@ One run, same prompts, side by side (these machines are noisy: compare within a 
   3. transformers' padded batched `generate` (left padding, one batch);
   4. the compute floor: the workload's FLOPs / the single-core matmul rate measured now;
   5. pdlab's per-step overhead (step time outside the model forward) at 1, 16 and 64 running sequences.
+The output's `attention` says which attention kernel the engine ran (sdpa on CPU; flash-attn or
+sdpa-expanded on CUDA, pdlab.engine.cuda_attention).
 
     python benchmarks/bench_engine.py                      # cpu-demo, 32 prompts of 200-1000 tokens x 64
     python benchmarks/bench_engine.py --device cuda --dtype bfloat16 --preset gpu-0.6b --prompts 64
@@ -21,6 +23,7 @@ import time
 import torch
 
 from pdlab.engine import Engine, EngineConfig, SamplingParams, load_model
+from pdlab.engine.cuda_attention import describe as describe_attention
 from pdlab.engine.model import model_dims
 
 
@@ -202,6 +205,8 @@ def main() -> None:
 
     run_pdlab(model, prompts[:2], 4, EngineConfig(kv_blocks=256))  # warm-up
     cfg = EngineConfig(block_size=16, kv_blocks="auto", token_budget=2048, max_running=64)
+    dims = model_dims(model)
+    res["attention"] = describe_attention(torch.device(args.device).type, tdtype, dims["head_dim"], cfg.block_size)
     dt, outs, records = run_pdlab(model, prompts, args.new, cfg)
     steps = [r for r in records if r]
     res["pdlab"] = {"seconds": dt, "out_tok_s": out_tokens / dt, "total_tok_s": (out_tokens + sum(lens)) / dt,

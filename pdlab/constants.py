@@ -26,6 +26,10 @@ STATS = ("mean", "p50", "p90", "p99", "max")  # latency statistics, and the per-
 MISS_KINDS = ("ttft_only", "itl_only", "both", "failed")
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "burst")
 LENGTH_KINDS = ("fixed", "uniform", "dataset")
+# attention kernels (pdlab.engine.cuda_attention): CPU runs `sdpa`; CUDA `flash-attn` with pdlab[flash], else
+# `sdpa-expanded`. flash-attn's paged KV takes pages of a multiple of this many tokens.
+ATTENTION_KERNELS = ("sdpa", "flash-attn", "sdpa-expanded")
+FLASH_PAGE_MULTIPLE = 256
 # dtype aliases a recipe or the CLI may use -> the torch dtype name ("auto": the checkpoint's own)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "auto": "auto"}

@@ -65,11 +65,20 @@ def check_machine(recipe: Recipe) -> None:
 
 
 def worker_cores(recipe: Recipe) -> set[int]:
-    """The CPU cores any worker of the recipe is pinned to."""
+    """The CPU cores any worker of the recipe is pinned to (a GPU worker: its host cores, as the launcher
+    will give them, pdlab.serve.sharing)."""
     from pdlab.devices import parse_devices
+    from pdlab.serve.sharing import host_cores
+    from pdlab.serve.topology import cpu_cores
 
-    return {d.index for v in recipe.variants.values() for w in v.deployment.workers
-            for d in parse_devices(list(w.devices)) if d.kind == "cpu"}
+    cores: set[int] = set()
+    for v in recipe.variants.values():
+        workers = v.deployment.workers
+        if v.deployment.device_kind == "cuda":
+            cores.update(c for mine in host_cores(cpu_cores(), len(workers)) for c in mine)
+        else:
+            cores.update(d.index for w in workers for d in parse_devices(list(w.devices)) if d.kind == "cpu")
+    return cores
 
 
 class Harness:

@@ -7,7 +7,9 @@ attend each request to its own context:
 - decode requests (one query token) in one padded SDPA call over K/V gathered from their blocks;
 - prefill chunks one SDPA call each: plain causal over the chunk's own K/V when the request has no
   earlier context (the common case), else over K/V gathered from its blocks with an offset causal mask.
-GQA uses SDPA's `enable_gqa`, so K/V heads are never repeated.
+GQA uses SDPA's `enable_gqa`, so K/V heads are never repeated (CPU). On CUDA the runner picks a fused kernel
+instead (pdlab.engine.cuda_attention): flash-attn's varlen call (`ctx.flash`), or SDPA with K/V heads expanded
+(`ctx.expand_kv`), since a masked `enable_gqa` call there falls back to the math kernel.
 
 The per-step metadata lives in a module-level context set by the runner around the forward pass
 (the model call cannot carry it): tensors are built once per step and reused by every layer.
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pdlab.constants import cdiv
+from pdlab.engine.cuda_attention import FlashMeta, expand_kv, flash_attend
 
 ATTN_NAME = "pdlab_paged"
 
@@ -45,6 +48,8 @@ class AttnContext:
     prefills: list[PrefillSegment] = field(default_factory=list)
     decode_views: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first block, context len)
     layer_hook: Optional[Callable[[int], None]] = None
+    flash: Optional[FlashMeta] = None  # CUDA, kernel flash-attn: the whole batch in one varlen call
+    expand_kv: bool = False  # CUDA, kernel sdpa-expanded: K/V heads repeated instead of enable_gqa
 
 
 _CTX: Optional[AttnContext] = None
@@ -76,7 +81,13 @@ def paged_attention(
     k_blocks, v_blocks = ctx.kv[layer, 0], ctx.kv[layer, 1]  # [blocks, block_size, Hkv, D]
     k_blocks.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slots, k)
     v_blocks.view(-1, kv_heads, head_dim).index_copy_(0, ctx.slots, v)
+    if ctx.flash is not None:
+        out = flash_attend(ctx.flash, q.contiguous(), k_blocks, v_blocks, scaling)
+        if ctx.layer_hook is not None:
+            ctx.layer_hook(layer)
+        return out.unsqueeze(0), None
     k_rows, v_rows = k_blocks.view(k_blocks.shape[0], -1), v_blocks.view(v_blocks.shape[0], -1)  # a block a row
+    expand = ctx.expand_kv
 
     out = torch.empty_like(q)
     if ctx.decode_rows is not None:
@@ -85,7 +96,7 @@ def paged_attention(
         kd = k_rows.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, n, D]
         vd = v_rows.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)
         qd = q[ctx.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling, enable_gqa=True)
+        od = _sdpa(qd, kd, vd, expand, attn_mask=ctx.decode_mask, scale=scaling)
         out[ctx.decode_rows] = od.squeeze(2)
     if ctx.decode_views:
         _attend_in_place(q, out, k_blocks, v_blocks, ctx.decode_views, scaling)
@@ -94,16 +105,25 @@ def paged_attention(
         if seg.blocks is None:
             ks = k[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)
             vs = v[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=True)
+            o = _sdpa(qs, ks, vs, expand, is_causal=True, scale=scaling)
         else:
             ks = k_rows.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
             vs = v_rows.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
             ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, scale=scaling, enable_gqa=True)
+            o = _sdpa(qs, ks, vs, expand, attn_mask=seg.mask, scale=scaling)
         out[seg.q_start:seg.q_end] = o[0].transpose(0, 1)
     if ctx.layer_hook is not None:
         ctx.layer_hook(layer)
     return out.unsqueeze(0), None
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand: bool, **kw: Any) -> torch.Tensor:
+    """SDPA over [B, H, n, D] queries and [B, Hkv, m, D] K/V: `enable_gqa` (CPU, as always), or K/V heads
+    repeated to H first (CUDA), so that the fused kernels, which do not take `enable_gqa` with a mask, apply."""
+    if expand:
+        k, v = expand_kv(k, v, q.shape[1], 1)
+        return F.scaled_dot_product_attention(q, k, v, **kw)
+    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
 
 
 def _attend_in_place(q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor,

@@ -71,15 +71,17 @@ class Engine:
     def __init__(self, model: Any, config: EngineConfig, role: str = "unified",
                  kv_alloc: Optional[Callable[[tuple, torch.dtype], torch.Tensor]] = None,
                  step_timing: Optional[StepTimeModel] = None, clock: Optional[Callable[[], float]] = None,
-                 tp_channel: Any = None):
+                 tp_channel: Any = None, memory_share: float = 1.0):
         """`step_timing`: a modelled timing (pdlab.engine.timed): the model is not run, each step takes the
         modelled time and samples deterministic tokens; `model` may then be a stand-in without weights.
         `clock`: the time source (default time.monotonic); a simulator passes a virtual clock, and a timed
         engine then advances it instead of sleeping. `tp_channel`: rank 0 of a tensor-parallel group
-        (pdlab.engine.tensor_parallel.StepChannel): each step's batch goes to the other ranks first."""
+        (pdlab.engine.tensor_parallel.StepChannel): each step's batch goes to the other ranks first.
+        `memory_share`: this worker's share of its GPU when several share it (pdlab.engine.pool_size)."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {role!r}")
         self.step_timing = step_timing
+        self.memory_share = memory_share
         self.now: Callable[[], float] = clock or time.monotonic
         config.validate("engine")
         self.model, self.config, self.role = model, config, role
@@ -119,8 +121,11 @@ class Engine:
         if modelled_gb:  # a timed engine sizes its pool as the modelled device would
             cap = int(modelled_gb * 1e9 * self.config.kv_memory_fraction)
         elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            cap = int(free * self.config.kv_memory_fraction)
+            from pdlab.engine.pool_size import gpu_kv_budget, weight_bytes
+
+            free, total = torch.cuda.mem_get_info(self.device)
+            cap = gpu_kv_budget(free, total, self.config.kv_memory_fraction, self.memory_share,
+                                weight_bytes(self.model))
         else:
             avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
             cap = min(int(avail * self.config.kv_memory_fraction), CPU_AUTO_KV_BYTES)
@@ -225,6 +230,7 @@ class Engine:
             ids, pos, ctx, rows = self.runner.prepare(batch.seqs, batch.num_tokens, batch.decode)
             t0 = self.now()
             logits = self.runner.forward(ids, pos, ctx, rows)
+            self.runner.sync()  # CUDA: the step's kernels have run before any time below is read
             forward_s = self.now() - t0
         self._current = []
         sampling = []

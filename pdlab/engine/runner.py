@@ -1,5 +1,10 @@
 """Runs one scheduled batch through the model: packs the tokens, builds the attention context,
-computes logits only where a request samples."""
+computes logits only where a request samples.
+
+On CUDA the per-step metadata (token ids, positions, slots, block tables, masks) goes to the device from
+pinned host memory without blocking (torch's caching host allocator keeps a pinned buffer alive until its
+copy has run), the attention kernel is a fused one (pdlab.engine.cuda_attention), and `sync()` ends a step
+only when its kernels have run, so step and prefill-end times are the GPU's, not the launch queue's."""
 
 from __future__ import annotations
 
@@ -9,6 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from pdlab.constants import cdiv
+from pdlab.engine import cuda_attention as ca
 from pdlab.engine.attention import AttnContext, PrefillSegment, set_context
 from pdlab.engine.sequence import Sequence
 
@@ -18,11 +24,21 @@ from pdlab.engine.sequence import Sequence
 VIEW_MIN_CONTEXT = 512
 
 
-def _long(xs: list[int], device: torch.device) -> torch.Tensor:
-    """An int64 tensor from a list of ints; through array() it is ~7x faster than torch.tensor(list)."""
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: on CUDA staged through pinned memory and copied without blocking; on CPU
+    the tensor itself."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def _long(xs: list[int], device: torch.device, code: str = "q") -> torch.Tensor:
+    """An int64 (code "q") or int32 ("i") tensor from a list of ints; through array() it is ~7x faster than
+    torch.tensor(list)."""
+    dtype = torch.long if code == "q" else torch.int32
     if not xs:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return torch.frombuffer(array("q", xs), dtype=torch.long).to(device)
+        return torch.empty(0, dtype=dtype, device=device)
+    return to_device(torch.frombuffer(array(code, xs), dtype=dtype), device)
 
 
 class ModelRunner:
@@ -36,9 +52,21 @@ class ModelRunner:
         self.layer_hook: Optional[Callable[[int], None]] = None
         # Per-request kernels are cheap on a CPU and expensive launches on a GPU: in place on CPU only.
         self.in_place = self.device.type == "cpu"
+        flash = ca.flash_module() if self.device.type == "cuda" else None
+        self.kernel = ca.kernel_for(self.device.type, kv.dtype, kv.shape[-1], flash)
+        self.paged = self.kernel == "flash-attn" and ca.supports_paged(flash, block_size)
+
+    def sync(self) -> None:
+        """Wait for the step's kernels (CUDA only; a CPU step has finished when forward returns). Only the
+        compute stream: a whole-device synchronize would also wait for KV copies running on the pull and
+        push side streams, stalling the decode steps those copies are meant to overlap."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def prepare(self, seqs: list[Sequence], num_tokens: list[int],
                 decode: list[bool]) -> tuple[list[int], list[int], AttnContext, list[int]]:
+        if self.kernel == "flash-attn":
+            return self._prepare_flash(seqs, num_tokens)
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -74,11 +102,11 @@ class ModelRunner:
             else:
                 blocks = _long(table[: cdiv(end, bs)], self.device)
                 mask = torch.arange(end).unsqueeze(0) <= torch.arange(start, end).unsqueeze(1)
-                prefills.append(PrefillSegment(row, row + n, end, blocks, mask.to(self.device)))
+                prefills.append(PrefillSegment(row, row + n, end, blocks, to_device(mask, self.device)))
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
         ctx = AttnContext(kv=self.kv, slots=_long(slots, self.device), prefills=prefills,
-                          decode_views=views, layer_hook=self.layer_hook)
+                          decode_views=views, layer_hook=self.layer_hook, expand_kv=self.kernel == "sdpa-expanded")
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             flat: list[int] = []
@@ -88,7 +116,46 @@ class ModelRunner:
             ctx.decode_rows = _long(decode_rows, self.device)
             ctx.decode_blocks = _long(flat, self.device).view(len(decode_tables), width)
             lens = _long(decode_lens, torch.device("cpu"))
-            ctx.decode_mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).to(self.device)[:, None, None, :]
+            ctx.decode_mask = to_device(torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1),
+                                        self.device)[:, None, None, :]
+        return input_ids, positions, ctx, sample_rows
+
+    def _prepare_flash(self, seqs: list[Sequence], num_tokens: list[int]) -> tuple[list[int], list[int], AttnContext,
+                                                                                    list[int]]:
+        """The same packed batch, described for one flash-attn varlen call per layer (every request, decode
+        or prefill chunk, is a query run against its whole context, causal from the end)."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        cu_q, cu_k, tables = [0], [0], []
+        for seq, n in zip(seqs, num_tokens):
+            start, end = seq.num_computed, seq.num_computed + n
+            table = seq.block_table
+            input_ids.extend(seq.tokens(start, end))
+            positions.extend(range(start, end))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            if end == seq.num_tokens:
+                sample_rows.append(cu_q[-1] + n - 1)
+            cu_q.append(cu_q[-1] + n)
+            cu_k.append(cu_k[-1] + end)
+            tables.append(table[: cdiv(end, bs)])
+        dev = self.device
+        q_lens = [b - a for a, b in zip(cu_q, cu_q[1:])]
+        k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
+        meta = ca.FlashMeta(_long(cu_q, dev, "i"), _long(cu_k, dev, "i"), max(q_lens), max(k_lens))
+        if self.paged:
+            width = max(len(t) for t in tables)
+            meta.block_table = _long([b for t in tables for b in t + [0] * (width - len(t))], dev, "i").view(
+                len(tables), width)
+        else:
+            starts = [0]
+            for t in tables[:-1]:
+                starts.append(starts[-1] + len(t))
+            meta.kv_index = ca.gather_index(_long([b for t in tables for b in t], dev), _long(starts, dev),
+                                            _long(k_lens, dev), meta.cu_k, cu_k[-1], bs)
+        ctx = AttnContext(kv=self.kv, slots=_long(slots, dev), layer_hook=self.layer_hook, flash=meta)
         return input_ids, positions, ctx, sample_rows
 
     @torch.inference_mode()

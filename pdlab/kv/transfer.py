@@ -89,7 +89,10 @@ def copy_blocks(src_pool: torch.Tensor, src_blocks: Sequence[int], dst_pool: tor
     src = src_pool if layer is None else src_pool[layer : layer + 1]
     dst = dst_pool if layer is None else dst_pool[layer : layer + 1]
     runs = block_runs(src_blocks, dst_blocks)
-    if src.device.type == "cpu" and dst.device.type == "cpu" and len(runs) > _CPU_TORCH_RUNS:
+    if src.device.type != dst.device.type:  # D2H / H2D (host transport): only contiguous pieces, see below
+        for d_piece, s_piece in host_device_pieces(src, dst, runs):
+            d_piece.copy_(s_piece, non_blocking=non_blocking)
+    elif src.device.type == "cpu" and dst.device.type == "cpu" and len(runs) > _CPU_TORCH_RUNS:
         # numpy slice copies on [layers*2, blocks, block] views: less per-op overhead than torch when
         # a scattered block table makes one copy per block (about 3x faster at 128 one-block runs);
         # for a few long runs torch's copy is faster (memcpy of whole strided slices)
@@ -108,6 +111,17 @@ def copy_blocks(src_pool: torch.Tensor, src_blocks: Sequence[int], dst_pool: tor
         di = torch.tensor(list(dst_blocks), device=dst.device)
         dst.index_copy_(2, di, src.index_select(2, si))
     return len(src_blocks) * (src.numel() // src.shape[2]) * src.element_size()
+
+
+def host_device_pieces(src: torch.Tensor, dst: torch.Tensor,
+                       runs: list[tuple[int, int, int]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(destination, source) pieces of a copy between a GPU pool and a host buffer of the same layout, each
+    contiguous on both sides: one per run of blocks and per (layer, K|V) row. A strided slice copied across
+    devices goes through a pageable temporary (a CPU memcpy, then a synchronous copy); a contiguous piece
+    of pinned memory is one DMA, asynchronous with non_blocking. More copies, each at DMA speed."""
+    sv = src.view(src.shape[0] * 2, src.shape[2], -1)
+    dv = dst.view(dst.shape[0] * 2, dst.shape[2], -1)
+    return [(dv[r, d:d + n], sv[r, s:s + n]) for s, d, n in runs for r in range(sv.shape[0])]
 
 
 class Transport:
@@ -217,7 +231,7 @@ def make_transport(name: str, worker: str, run_prefix: str, device: str = "cpu",
         from pdlab.kv.cuda_ipc import CudaIpcTransport, HostTransport
 
         if name == "cuda-ipc":
-            return CudaIpcTransport(worker, device, visible)
+            return CudaIpcTransport(worker, device, visible, (options or {}).get("peers", ()))
         return HostTransport(worker, device, f"{run_prefix}{worker}-host")
     raise ValueError(f"transport {name!r} is not available here (known: {', '.join(TRANSPORTS_AVAILABLE)})")
 

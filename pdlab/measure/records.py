@@ -216,6 +216,12 @@ def collect_env() -> dict:
             env[f"{mod}_version"] = None
     env["cuda"] = _cuda_devices()
     try:
+        from pdlab.engine.cuda_attention import env_summary
+
+        env["attention"] = env_summary()  # which attention kernel a worker of each kind runs
+    except Exception as e:  # noqa: BLE001 - env.json must be written anyway
+        env["attention"] = {"error": f"{type(e).__name__}: {e}"}
+    try:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["git_commit"] = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True,
                                            text=True, timeout=5).stdout.strip() or None

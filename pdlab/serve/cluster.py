@@ -96,7 +96,9 @@ class Cluster:
                 spec = WorkerSpec(p.worker.name, p.worker.role, p.worker.devices, endpoint, self.model, self.engine,
                                   self.seed, d.transport if d.disaggregated else None, d.mode, self.run_prefix,
                                   d.first_token, p.visible_gpus, d.transfer_timeout_s, tp=p.worker.tp,
-                                  nixl=d.nixl.to_raw() if d.nixl and d.transport == "nixl" else None)
+                                  nixl=d.nixl.to_raw() if d.nixl and d.transport == "nixl" else None,
+                                  memory_share=p.memory_share, host_cores=p.host_cores,
+                                  peers=tuple(o.name for o in d.workers if d.disaggregated and o.role != p.worker.role))
                 w.proc = ctx.Process(target=run_worker, args=(spec.to_raw(),), name=f"pdlab-{p.worker.name}",
                                      daemon=True)
                 w.proc.start()

@@ -37,10 +37,9 @@ def _init(rank: int, world: int, store_dir: str, cuda: bool, timeout_s: float) -
 
 
 def _device(spec: Any, rank: int) -> str:
-    if spec.visible_gpus:
-        gpu = int(spec.devices[rank].split(":")[1])
-        return f"cuda:{list(spec.visible_gpus).index(gpu)}"
-    return "cpu"
+    from pdlab.gpus import rank_device
+
+    return rank_device(spec.visible_gpus, rank)  # the launcher lists a worker's own GPUs first, in rank order
 
 
 def _load(spec: Any, rank: int, group: Any) -> Any:
@@ -139,7 +138,7 @@ def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
     _die_with_parent()
     dev = spec.devices[rank]
     if spec.visible_gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.visible_gpus)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(spec.visible_gpus)
     else:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.sched_setaffinity(0, [int(dev.split(":")[1])])

@@ -1,6 +1,11 @@
 """The machine check: does this machine have what a deployment asks for? Decided before any process starts,
 so a missing core or GPU is one clear error instead of a half-started cluster. The deployment's shape
 was checked when the recipe was parsed (pdlab.recipe.deployment); this module only looks at the machine.
+
+GPUs are named by their CUDA_VISIBLE_DEVICES entries (index, UUID or MIG; pdlab.gpus). cuda-ipc between two
+different GPUs needs peer access: without it CUDA stages the copy through the host outside any stream the
+peer orders against, so such a deployment is refused here with a pointer to the `host` transport. What GPU
+workers share (memory of a shared GPU, host cores) is split here too (pdlab.serve.sharing).
 """
 
 from __future__ import annotations
@@ -8,8 +13,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from pdlab import gpus as gpu_inventory
 from pdlab.devices import parse_devices
 from pdlab.recipe.deployment import Deployment, PlannedWorker
+from pdlab.serve.sharing import host_cores, memory_shares
 
 
 class ClusterError(ValueError):
@@ -18,10 +25,13 @@ class ClusterError(ValueError):
 
 @dataclass(frozen=True)
 class Placement:
-    """A planned worker and what it may see: physical GPUs, its own first (cuda only)."""
+    """A planned worker and what it may see: GPU entries, its own first in rank order (cuda only); its share
+    of its GPUs' memory; the host cores a GPU worker is pinned to."""
 
     worker: PlannedWorker
-    visible_gpus: tuple[int, ...] = ()
+    visible_gpus: tuple[str, ...] = ()
+    memory_share: float = 1.0
+    host_cores: tuple[int, ...] = ()
 
 
 _CORES: list[int] = []
@@ -35,25 +45,15 @@ def cpu_cores() -> list[int]:
     return list(_CORES)
 
 
-def gpu_ids() -> list[int]:
-    """Physical GPU ids this process may use, by visible index (no CUDA context is created)."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        count = pynvml.nvmlDeviceGetCount()
-        pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - no driver: no GPUs
-        count = 0
-    ids = list(range(count))
-    if env is not None:
-        ids = [int(x) for x in env.split(",") if x.strip().isdigit() and int(x) < count]
-    return ids
+def gpu_ids() -> list[str]:
+    """GPU entries this process may use, by visible index (no CUDA context is created)."""
+    return gpu_inventory.gpu_entries()
 
 
-def place(deployment: Deployment) -> list[Placement]:
-    """Check that every worker's devices exist and are visible to this process; say what each may see."""
+def place(deployment: Deployment, peer_access: gpu_inventory.PeerAccess = gpu_inventory.nvml_peer_access
+          ) -> list[Placement]:
+    """Check that every worker's devices exist and are visible to this process (and, for cuda-ipc across GPUs,
+    can reach each other); say what each may see and what share of its GPUs it gets."""
     cores = cpu_cores() if deployment.device_kind == "cpu" else []
     gpus = gpu_ids() if deployment.device_kind == "cuda" else []
     for w in deployment.workers:
@@ -63,16 +63,32 @@ def place(deployment: Deployment) -> list[Placement]:
                                    f"{cores[0]}-{cores[-1]})")
             if d.kind == "cuda" and d.index >= len(gpus):
                 raise ClusterError(f"worker {w.name}: {d} does not exist ({len(gpus)} CUDA devices visible)")
+    if deployment.device_kind != "cuda":
+        return [Placement(w) for w in deployment.workers]
+    own_of = {w.name: [gpus[d.index] for d in parse_devices(list(w.devices))] for w in deployment.workers}
+    if deployment.disaggregated and deployment.transport == "cuda-ipc":
+        _check_peer_access(deployment, own_of, peer_access)
+    shares = memory_shares([own_of[w.name] for w in deployment.workers])
+    cores = host_cores(cpu_cores(), len(deployment.workers))
     out = []
-    for w in deployment.workers:
-        visible: tuple[int, ...] = ()
-        if deployment.device_kind == "cuda":
-            own = [gpus[d.index] for d in parse_devices(list(w.devices))]
-            peers = []
-            if deployment.disaggregated and deployment.transport == "cuda-ipc":  # to open the peers' handles
-                other = "decode" if w.role == "prefill" else "prefill"
-                peers = [gpus[d.index] for p in deployment.workers if p.role == other
-                         for d in parse_devices(list(p.devices))]
-            visible = tuple(own + [g for g in dict.fromkeys(peers) if g not in own])
-        out.append(Placement(w, visible))
+    for w, share, mine in zip(deployment.workers, shares, cores):
+        own = own_of[w.name]
+        peers = []
+        if deployment.disaggregated and deployment.transport == "cuda-ipc":  # to open the peers' handles
+            other = "decode" if w.role == "prefill" else "prefill"
+            peers = [g for p in deployment.workers if p.role == other for g in own_of[p.name]]
+        visible = tuple(own + [g for g in dict.fromkeys(peers) if g not in own])
+        out.append(Placement(w, visible, share, mine))
     return out
+
+
+def _check_peer_access(deployment: Deployment, own_of: dict[str, list[str]],
+                       peer_access: gpu_inventory.PeerAccess) -> None:
+    pairs = [(a, b) for p in deployment.workers if p.role == "prefill" for d in deployment.workers
+             if d.role == "decode" for a in own_of[p.name][:1] for b in own_of[d.name][:1]]
+    bad = gpu_inventory.no_peer_pairs(pairs, peer_access)
+    if bad:
+        a, b = bad[0]
+        raise ClusterError(f"transport cuda-ipc between GPU {a} and GPU {b}: no peer access between them (or "
+                           "NVML cannot tell), so a copy would be staged through the host unordered against "
+                           "the peer's stream; use transport: host, or place both workers on GPUs with peer access")

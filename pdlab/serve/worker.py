@@ -37,24 +37,28 @@ class WorkerSpec:
     mode: str
     run_prefix: str
     first_token: str
-    visible_gpus: tuple[int, ...]  # CUDA_VISIBLE_DEVICES, own GPU first
+    visible_gpus: tuple[str, ...]  # CUDA_VISIBLE_DEVICES entries (index, UUID, MIG), own GPUs first in rank order
     transfer_timeout_s: float
     heartbeat_s: float = HEARTBEAT_S
     tp: int = 1  # tensor-parallel ranks: this process is rank 0 on devices[0], followers take the rest
     nixl: Optional[dict] = None  # transport nixl: the deployment's nixl section, plain data
+    memory_share: float = 1.0  # of each of its GPUs' memory (workers sharing a GPU split it, pdlab.serve.sharing)
+    host_cores: tuple[int, ...] = ()  # a GPU worker's host cores (pinned, one torch thread each)
+    peers: tuple[str, ...] = ()  # the workers of the other role (cuda-ipc: one pool export each)
 
     def to_raw(self) -> dict:
         """Plain data for the spawn arguments: nothing pickled needs pdlab classes."""
         raw = {f.name: getattr(self, f.name) for f in fields(self)}
         raw.update(model=self.model.to_raw(), engine=self.engine.to_raw(), devices=list(self.devices),
-                   visible_gpus=list(self.visible_gpus))
+                   visible_gpus=list(self.visible_gpus), host_cores=list(self.host_cores), peers=list(self.peers))
         return raw
 
     @classmethod
     def from_raw(cls, raw: dict) -> "WorkerSpec":
         return cls(**{**raw, "model": ModelSpec.from_raw(raw["model"], "model"),
                       "engine": EngineConfig.from_raw(raw["engine"], "engine"), "devices": tuple(raw["devices"]),
-                      "visible_gpus": tuple(raw["visible_gpus"])})
+                      "visible_gpus": tuple(str(g) for g in raw["visible_gpus"]),
+                      "host_cores": tuple(raw.get("host_cores", ())), "peers": tuple(raw.get("peers", ()))})
 
 
 def run_worker(spec_dict: dict) -> None:
@@ -66,7 +70,11 @@ def run_worker(spec_dict: dict) -> None:
     mine = spec.devices[:1] if spec.tp > 1 else spec.devices  # under TP each rank pins to its own device
     cpu_cores = [int(d.split(":")[1]) for d in mine if d.startswith("cpu:")]
     if spec.visible_gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in spec.visible_gpus)
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(spec.visible_gpus)
+        if spec.host_cores:  # a GPU worker's host side: its own cores, one thread each (followers inherit)
+            cpu_cores = list(spec.host_cores)
+            os.sched_setaffinity(0, cpu_cores)
+            os.environ["OMP_NUM_THREADS"] = str(len(cpu_cores))
     elif cpu_cores:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.sched_setaffinity(0, cpu_cores)
@@ -95,6 +103,7 @@ class Worker:
 
         from pdlab.engine import Engine, load_model
         from pdlab.engine.model import load_stand_in
+        from pdlab.gpus import rank_device
 
         self.spec, self.name, self.role = spec, spec.name, spec.role
         self.parent = os.getppid()
@@ -110,7 +119,7 @@ class Worker:
         threading.Thread(target=self._heartbeat, name="pdlab-heartbeat", daemon=True).start()
         self.tp = None
         try:
-            device = "cuda:0" if spec.visible_gpus else "cpu"
+            device = rank_device(spec.visible_gpus, 0)  # rank 0 of its group
             if spec.tp > 1 and not spec.model.timing:  # a timed engine stands for its whole group alone
                 from pdlab.serve.tensor_group import TensorGroup
 
@@ -125,10 +134,12 @@ class Worker:
                 from pdlab.kv.transfer import make_transport
 
                 self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus,
-                                                {**(spec.nixl or {}), "timeout_s": spec.transfer_timeout_s})
+                                                {**(spec.nixl or {}), "timeout_s": spec.transfer_timeout_s,
+                                                 "peers": spec.peers})
                 kv_alloc = self.transport.kv_alloc
             self.engine = Engine(self.model, spec.engine, role=self.role, kv_alloc=kv_alloc,
-                                 step_timing=spec.model.timing, tp_channel=self.tp and self.tp.channel)
+                                 step_timing=spec.model.timing, tp_channel=self.tp and self.tp.channel,
+                                 memory_share=spec.memory_share)
             if self.tp is not None:
                 self.tp.start(self.engine.blocks.num_blocks)
         except Exception as e:  # noqa: BLE001 - reported to the router, then this process ends

@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pdlab.constants import HEARTBEAT_TIMEOUT_S, READY_TIMEOUT_S, STOP_TIMEOUT_S
+from pdlab.constants import HEARTBEAT_TIMEOUT_S, READY_TIMEOUT_S, REAP_TIMEOUT_S, STOP_TIMEOUT_S
 from pdlab.engine.config import EngineConfig
 from pdlab.kv import shm
 from pdlab.recipe.deployment import Deployment
@@ -90,12 +90,14 @@ class Cluster:
             states = [WorkerState(p.worker.name, p.worker.role, list(p.worker.devices)) for p in self.placements]
             self.router = Router(self._sock, states, mode=d.mode, first_token=d.first_token,
                                  transfer_timeout_s=d.transfer_timeout_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                                 step_timeout_s=d.step_timeout_s)
+                                 step_timeout_s=d.step_timeout_s, on_transfer_failure=d.on_transfer_failure,
+                                 remote_prefill_min_tokens=d.route.remote_prefill_min_tokens)
             ctx = mp.get_context("spawn")
             for p, w in zip(self.placements, states):
                 spec = WorkerSpec(p.worker.name, p.worker.role, p.worker.devices, endpoint, self.model, self.engine,
                                   self.seed, d.transport if d.disaggregated else None, d.mode, self.run_prefix,
-                                  d.first_token, p.visible_gpus, d.transfer_timeout_s)
+                                  d.first_token, p.visible_gpus, d.transfer_timeout_s,
+                                  report_cache=p.worker.role == "decode" and d.route.selective)
                 w.proc = ctx.Process(target=run_worker, args=(spec.to_raw(),), name=f"pdlab-{p.worker.name}",
                                      daemon=True)
                 w.proc.start()
@@ -138,6 +140,11 @@ class Cluster:
                 getattr(p, sig)()
             for p in alive:
                 p.join(timeout / 4)
+        # Wait for every child, however long a SIGKILLed one takes to go (unmapping a large pool on a busy box
+        # can take seconds): a child not waited for outlives us as a zombie, re-parented to init.
+        deadline = time.monotonic() + REAP_TIMEOUT_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
         if self._sock is not None:
             self._sock.close(0)
         if self._ctx is not None:

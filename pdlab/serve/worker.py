@@ -40,6 +40,7 @@ class WorkerSpec:
     visible_gpus: tuple[int, ...]  # CUDA_VISIBLE_DEVICES, own GPU first
     transfer_timeout_s: float
     heartbeat_s: float = HEARTBEAT_S
+    report_cache: bool = False  # decode role, selective routing: report prefix-cache changes (CacheEvents)
 
     def to_raw(self) -> dict:
         """Plain data for the spawn arguments: nothing pickled needs pdlab classes."""

@@ -31,7 +31,7 @@ KV_FAULT_KINDS = ("drop", "delay", "corrupt")
 STATS = ("mean", "p50", "p90", "p99", "max")  # latency statistics, and the per-request ITL statistic
 MISS_KINDS = ("ttft_only", "itl_only", "both", "failed")
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "burst")
-LENGTH_KINDS = ("fixed", "uniform", "dataset")
+LENGTH_KINDS = ("fixed", "uniform", "dataset", "mixture")
 # dtype aliases a recipe or the CLI may use -> the torch dtype name ("auto": the checkpoint's own)
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "auto": "auto"}

@@ -126,6 +126,7 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
         "slo_met": met, "attainment": met / sent if sent else None,
         "attainment_tpot": met_tpot / sent if sent else None,
         "misses": misses,
+        "prefill_routes": _count(r.get("prefill_route") for r in per),
         "duration_s": duration,
         "slo_met_per_s": per_s(met), "request_throughput": per_s(len(good)),
         "output_tok_s": per_s(out_tokens), "total_tok_s": per_s(out_tokens + in_tokens),
@@ -144,3 +145,12 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
                       "ms": stats(xfer_ms, 1000.0)},
         "steps": len(steps),
     }
+
+
+def _count(values: Iterable[Optional[str]]) -> dict:
+    """How many requests prefilled where (prefill_route; records that never got that far are left out)."""
+    out: dict = {}
+    for v in values:
+        if v is not None:
+            out[v] = out.get(v, 0) + 1
+    return dict(sorted(out.items()))

@@ -119,6 +119,20 @@ class Cluster:
                 late = [w.name for w in r.workers.values() if not w.ready]
                 raise ClusterError(f"workers not ready within {timeout:g}s: {', '.join(late)}")
         r.events = [e for e in r.events if not isinstance(e, StepEvent)]
+        self._check_pairs()
+
+    def _check_pairs(self) -> None:
+        """Every prefill worker can hand KV to every decode worker (pdlab.kv.fingerprint), or nothing is sent."""
+        from pdlab.kv.fingerprint import KvFingerprint, PairingError, check_pair
+
+        ws = self.router.workers.values()
+        try:
+            for p in [w for w in ws if w.role == "prefill"]:
+                for d in [w for w in ws if w.role == "decode"]:
+                    check_pair(p.name, KvFingerprint.from_raw(p.fingerprint), d.name,
+                               KvFingerprint.from_raw(d.fingerprint))
+        except PairingError as e:
+            raise ClusterError(str(e)) from None
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop workers (Stop, then SIGTERM, then SIGKILL), close sockets, remove the run's files."""

@@ -123,6 +123,7 @@ class Ready:
     pool: Optional[dict]  # {"name", "shape", "dtype"} when the pool is attachable, else None
     kv_blocks: int
     block_size: int
+    fingerprint: dict = field(default_factory=dict)  # disaggregated roles: pdlab.kv.fingerprint, checked at pairing
 
 
 @message

@@ -47,6 +47,7 @@ class WorkerState:
     failed: Optional[str] = None
     holds: set = field(default_factory=set)  # req_ids this worker holds
     cache: PrefixMirror = field(default_factory=PrefixMirror)  # decode, selective routing: its prefix cache
+    fingerprint: dict = field(default_factory=dict)  # disaggregated roles: what its KV blocks are (Ready)
 
 
 @dataclass
@@ -191,6 +192,7 @@ class Router:
             self.stats[w.name] = msg
         elif isinstance(msg, m.Ready):
             w.ready, w.pool, w.kv_blocks, w.block_size = True, msg.pool, msg.kv_blocks, msg.block_size
+            w.fingerprint = msg.fingerprint
             w.free_blocks, w.loop_t = msg.kv_blocks, now
         elif isinstance(msg, m.Fatal):
             self.fail_worker(w.name, msg.reason)

@@ -126,8 +126,13 @@ class Worker:
         from pdlab.serve.handlers import RoleHandler
 
         self.handler = RoleHandler(self)
+        fp = {}
+        if self.transport is not None:
+            from pdlab.kv.fingerprint import KvFingerprint
+
+            fp = KvFingerprint.of(spec.model, self.engine).to_raw()
         self._send(m.Ready(self.name, os.getpid(), self.transport.export() if self.transport else None,
-                           self.engine.blocks.num_blocks, self.engine.config.block_size))
+                           self.engine.blocks.num_blocks, self.engine.config.block_size, fp))
 
     def _send(self, msg: Any) -> None:
         self.sock.send(m.encode(msg))

@@ -125,3 +125,27 @@ def test_fault_spec_and_injector():
     time.sleep(0.06)
     assert delay.due() == [landing] and delay.due() == []
     assert FaultInjector(FaultSpec("drop"), 1.0).filter(landing) is None
+
+
+@pytest.mark.slow
+def test_a_push_lease_does_not_run_out_while_the_prefill_queue_is_long(monkeypatch):
+    """Push reserves decode blocks before the prefill runs. Six requests queue at a prefill worker whose steps
+    take 0.3 s (a timed engine), one prompt per step: the last waits about 1.8 s, beyond its 1 s lease, but
+    the router renews the leases of requests its live prefill worker still holds, so none fails."""
+    monkeypatch.delenv(KV_FAULT_ENV, raising=False)
+    dep = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "push",
+           "transfer_timeout_s": 1.0}
+    c = Cluster(ModelSpec.from_raw({"preset": "tiny-llama", "timing": {"fixed_ms": 300}}, "model"),
+                EngineConfig.from_raw({**ENGINE, "token_budget": 40}, "engine"), Deployment.from_raw(dep, "deployment"))
+    try:
+        c.start()
+        ids = [f"q{i}" for i in range(6)]
+        for i, rid in enumerate(ids):
+            c.submit(rid, eh.prompts([30], seed=40 + i)[0], {"max_tokens": 2, "ignore_eos": True})
+        done, _ = _serve(c, ids)
+        assert all(d.ok for d in done.values()), [d.error for d in done.values() if not d.ok]
+        spread = max(d.phases["prefill_end"] for d in done.values()) - min(d.phases["queued"] for d in done.values())
+        assert spread > 1.5  # the last one did wait longer than a lease
+        _no_block_held(c)
+    finally:
+        c.stop()

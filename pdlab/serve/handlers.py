@@ -63,6 +63,8 @@ class RoleHandler:
             self.intake.admit_pushed(msg)
         elif isinstance(msg, m.Recompute):
             self.intake.recompute(msg)
+        elif isinstance(msg, m.Renew):
+            self.intake.renew(msg.req_ids)
         elif isinstance(msg, m.Release):
             if self.eng.sequence(msg.req_id) is not None:
                 self.eng.release(msg.req_id)

@@ -1,7 +1,9 @@
 """The decode worker's side of a KV hand-over: reserve blocks, receive the KV, admit, or give the blocks back.
 
 A `Pull` or `Reserve` waits here until the engine has room (up to `transfer_timeout_s`), then holds a
-*lease*: its blocks, reserved until `transfer_timeout_s` later. Within the lease the KV must land: a pull's
+*lease*: its blocks, reserved until `transfer_timeout_s` later. In push mode the router renews the leases of
+requests whose prefill worker is alive and still computing them (`Renew`), so time in the prefill's queue
+does not count; once the prefill is done, the lease runs. Within the lease the KV must land: a pull's
 copy ends (it runs beside the loop, PullCopier), or a push's `Admit` arrives. Either way the worker learns
 it from one `Landing` notice, the one place every transport's hand-over ends (and where pdlab.kv.faults
 injects its test faults). A notice is checked against the lease before anything is read from the blocks:
@@ -67,6 +69,13 @@ class KvIntake:
         lease.then = None
         self._give_back(lease)
         return True
+
+    def renew(self, req_ids: list) -> None:
+        deadline = time.monotonic() + self.spec.transfer_timeout_s
+        for rid in req_ids:
+            lease = self.leases.get(rid)
+            if lease is not None and not lease.failed:
+                lease.deadline = max(lease.deadline, deadline)
 
     def recompute(self, msg: m.Recompute) -> None:
         self.pending = [(p, t) for p, t in self.pending if p.req_id != msg.req_id]

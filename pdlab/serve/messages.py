@@ -72,6 +72,14 @@ class Admit:
 
 
 @message
+class Renew:
+    """Decode worker, push mode: these requests' prefill workers are alive and still computing them: their
+    leases start over (the queue before a prefill is not a transfer that failed)."""
+
+    req_ids: list
+
+
+@message
 class Recompute:
     """Decode worker: the request's KV hand-over failed; let go of its reservation (once nothing writes into
     it any more) and prefill the request here. `first_token`, when the prefill worker sampled it, is kept."""

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pdlab.constants import TRANSFER_FAILURE_POLICY, cdiv
+from pdlab.constants import HEARTBEAT_S, TRANSFER_FAILURE_POLICY, cdiv
 from pdlab.serve import messages as m
 from pdlab.serve.events import RequestDone, StepEvent, TokenEvent, TransferEvent, WorkerFailed
 from pdlab.serve.mirror import PrefixMirror
@@ -76,6 +76,7 @@ class Router:
         self.transfer_timeout_s = transfer_timeout_s
         self.heartbeat_timeout_s, self.step_timeout_s = heartbeat_timeout_s, step_timeout_s
         self.reqs: dict[str, _Req] = {}
+        self._renewed = 0.0  # push mode: when the decode leases of requests still in prefill were last renewed
         self.events: list[Any] = []
         self.stats: dict[str, m.Stats] = {}
 
@@ -305,8 +306,22 @@ class Router:
                                        req.prefill, req.decode, dict(req.phases), req.route))
 
     # ---- faults ----
+    def _renew_leases(self, now: float) -> None:
+        """Push mode: a decode reservation's lease must not run out while its prefill worker, alive, is still
+        computing the request (it may wait in that worker's queue); renew those, once per heartbeat period."""
+        if self.mode != "push" or now - self._renewed < HEARTBEAT_S:
+            return
+        self._renewed = now
+        for d in self._of("decode"):
+            ids = [rid for rid in d.holds if (r := self.reqs.get(rid)) is not None and r.route == "remote"
+                   and r.fencing is None and "prefill_end" not in r.phases and r.prefill is not None
+                   and self.workers[r.prefill].failed is None and rid in self.workers[r.prefill].holds]
+            if ids:
+                self.send(d.name, m.Renew(ids))
+
     def check_health(self, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
+        self._renew_leases(now)
         for w in self.workers.values():
             if w.failed is not None or w.proc is None:
                 continue

@@ -81,7 +81,9 @@ class LengthSpec(Section):
         if self.kind == "mixture":
             total = sum(w for w, _ in self.parts)
             return sum(w * p.mean for w, p in self.parts) / total
-        return {"fixed": self.value, "uniform": (self.min + self.max) / 2 if self.kind == "uniform" else None}.get(self.kind)
+        if self.kind == "uniform":
+            return (self.min + self.max) / 2
+        return self.value if self.kind == "fixed" else None
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,8 @@ class RoleHandler:
         ev = self.eng.blocks.events
         if ev:
             last = dict((k, add) for add, k in ev)  # each key's final state: stored, or dropped
-            self.w._send(m.CacheEvents(self.w.name, [k for k, a in last.items() if a], [k for k, a in last.items() if not a]))
+            stored, removed = [k for k, a in last.items() if a], [k for k, a in last.items() if not a]
+            self.w._send(m.CacheEvents(self.w.name, stored, removed))
             ev.clear()
 
     def _start_decoding(self, req_id: str, first_token: int, record: Optional[dict]) -> None:

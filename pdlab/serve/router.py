@@ -23,8 +23,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pdlab.constants import HEARTBEAT_S, TRANSFER_FAILURE_POLICY, cdiv
+from pdlab.constants import TRANSFER_FAILURE_POLICY, cdiv
 from pdlab.serve import messages as m
+from pdlab.serve.handover import HandOverFailures
 from pdlab.serve.events import RequestDone, StepEvent, TokenEvent, TransferEvent, WorkerFailed
 from pdlab.serve.mirror import PrefixMirror
 
@@ -66,7 +67,7 @@ class _Req:
     fencing: Optional[str] = None  # push: the hand-over failed for this reason; waiting for the prefill to stop
 
 
-class Router:
+class Router(HandOverFailures):
     def __init__(self, sock: Any, workers: list[WorkerState], *, mode: str, first_token: str,
                  transfer_timeout_s: float, heartbeat_timeout_s: float, step_timeout_s: float,
                  on_transfer_failure: str = TRANSFER_FAILURE_POLICY, remote_prefill_min_tokens: int = 0):
@@ -184,9 +185,7 @@ class Router:
         elif isinstance(msg, m.TransferFailed):
             self._transfer_failed(w, msg)
         elif isinstance(msg, m.Aborted):
-            req = self.reqs.get(msg.req_id)
-            if req is not None and req.fencing is not None:
-                self._apply_policy(req, req.fencing)
+            self._aborted(msg)
         elif isinstance(msg, m.CacheEvents):
             w.cache.apply(msg.stored, msg.removed)
         elif isinstance(msg, m.Stats):
@@ -259,38 +258,6 @@ class Router:
         req.output_ids.append(req.first_token)
         self.events.append(TokenEvent(req.req_id, req.first_token, t, 0, False, worker, time.monotonic()))
 
-    # ---- failed hand-overs ----
-    def _transfer_failed(self, w: WorkerState, msg: m.TransferFailed) -> None:
-        req = self.reqs.get(msg.req_id)
-        if req is None:
-            return self.send(w.name, m.Abort(msg.req_id))  # ended already: give its blocks back
-        if msg.first_token is not None and req.first_token is None:
-            req.first_token = msg.first_token
-            if self.first_token == "prefill":
-                self._deliver_first(req, time.monotonic(), w.name)
-        p = req.prefill
-        if w.role == "decode" and self.mode == "push" and p is not None and req.req_id in self.workers[p].holds                 and "prefill_end" not in req.phases and self.workers[p].failed is None:
-            req.fencing = msg.reason  # the prefill worker may still write into the decode blocks: stop it first
-            self.workers[p].holds.discard(req.req_id)
-            return self.send(p, m.Abort(req.req_id))
-        if w.role == "prefill":
-            w.holds.discard(req.req_id)  # it released the request when its push failed
-        self._apply_policy(req, msg.reason)
-
-    def _apply_policy(self, req: _Req, reason: str) -> None:
-        """The hand-over failed and nothing writes into the decode blocks any more: fail, or recompute."""
-        req.fencing, req.handoff_t = None, 0.0
-        d = self.workers.get(req.decode or "")
-        if self.on_failure != "recompute" or d is None or d.failed is not None:
-            return self._done(req, False, f"KV hand-over failed: {reason}")
-        p = self.workers.get(req.prefill or "")
-        if p is not None and req.req_id in p.holds:  # its prefill blocks are of no use now
-            p.holds.discard(req.req_id)
-            self.send(p.name, m.Abort(req.req_id))
-        req.route, req.prefill = "recompute", d.name
-        req.phases["recompute"] = time.monotonic()
-        self._give(req, d.name, m.Recompute(req.req_id, req.prompt_ids, req.params, req.first_token))
-
     def _transfer_record(self, req: _Req, rec: dict) -> None:
         req.phases.update(transfer_start=rec["start"], transfer_end=rec["end"])
         self.events.append(TransferEvent(rec))
@@ -306,19 +273,6 @@ class Router:
                                        req.prefill, req.decode, dict(req.phases), req.route))
 
     # ---- faults ----
-    def _renew_leases(self, now: float) -> None:
-        """Push mode: a decode reservation's lease must not run out while its prefill worker, alive, is still
-        computing the request (it may wait in that worker's queue); renew those, once per heartbeat period."""
-        if self.mode != "push" or now - self._renewed < HEARTBEAT_S:
-            return
-        self._renewed = now
-        for d in self._of("decode"):
-            ids = [rid for rid in d.holds if (r := self.reqs.get(rid)) is not None and r.route == "remote"
-                   and r.fencing is None and "prefill_end" not in r.phases and r.prefill is not None
-                   and self.workers[r.prefill].failed is None and rid in self.workers[r.prefill].holds]
-            if ids:
-                self.send(d.name, m.Renew(ids))
-
     def check_health(self, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
         self._renew_leases(now)

@@ -111,3 +111,16 @@ def test_selective_routes_by_uncached_prompt_and_matches_a_single_engine(mode, f
     assert done["cached"].cached_tokens == len(PREFIX)  # the decode worker reused the prefix it held
     for name, s in stats.items():
         assert s.free_blocks == s.total_blocks and s.requests == 0 and not s.leak, (name, s)
+
+
+def test_the_simulator_refuses_selective_routing_rather_than_ignore_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", os.path.join(root, "recipes", "selective.yaml"),
+                        "--simulate", "--set", "model.timing=cpu-demo-2core", "--out", str(tmp_path / "never")],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 2 and "variants.selective-256.deployment.route" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()

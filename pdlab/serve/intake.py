@@ -50,7 +50,9 @@ class KvIntake:
         self.faults = FaultInjector.from_env(self.spec.transfer_timeout_s)
 
     def busy(self) -> bool:
-        return bool(self.pending or self.leases or self.faults.held)
+        """Work that needs the loop to go round at once (waiting for room, a copy to collect). Leases and
+        delayed notices only need a look now and then: the loop's idle wait (50 ms) is fine for them."""
+        return bool(self.pending) or (self.puller is not None and self.puller.busy)
 
     # ---- router messages ----
     def take(self, msg: Any) -> None:

@@ -123,7 +123,8 @@ class Router(HandOverFailures):
             self._give(req, d.name, m.Reserve(req_id, req.prompt_ids, req.params))
 
     def _prefill_locally(self, req: _Req) -> bool:
-        """Selective routing: a prompt mostly held by the decode worker's prefix cache is prefilled there."""
+        """Selective routing: a prompt with fewer uncached tokens than the threshold, after what the chosen
+        decode worker holds in its prefix cache, is prefilled by that decode worker."""
         d = self._decode_with_room(req)
         if d is None or len(req.prompt_ids) - d.cache.cached_tokens(req.prompt_ids, d.block_size) >= self.remote_min:
             return False

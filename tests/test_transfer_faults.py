@@ -149,3 +149,39 @@ def test_a_push_lease_does_not_run_out_while_the_prefill_queue_is_long(monkeypat
         _no_block_held(c)
     finally:
         c.stop()
+
+
+def test_a_failed_push_reservation_keeps_its_blocks_until_the_router_says_then_recomputes():
+    """In-process, the decode handler as Worker.serve drives it: an Admit naming blocks other than those
+    reserved is refused before anything is read; the blocks stay reserved (the prefill worker might still
+    be writing into them) however long the router takes; `Recompute` then gives them back and prefills the
+    request here, keeping its first token, with the tokens a single engine gives."""
+    from test_pull_async import CFG, PROMPT_B, FakeWorker, _loop, _until
+
+    from pdlab.serve import messages as m
+    from pdlab.serve.handlers import RoleHandler
+
+    params = {"max_tokens": 5, "ignore_eos": True}
+    ref, _ = eh.run(eh.engine(prefix_caching=False, **CFG), [PROMPT_B], max_tokens=5)
+    deng = eh.engine(role="decode", **CFG)
+    w = FakeWorker(deng, None, timeout=0.05)
+    w.spec.mode = "push"
+    h = RoleHandler(w)
+    try:
+        h.handle(m.Reserve("b", PROMPT_B, params))
+        (res,) = w.about("b", m.Reserved)
+        held = deng.blocks.num_blocks - deng.blocks.num_free
+        h.handle(m.Admit("b", ref["0"][0], [b + 1 for b in res.blocks[res.skip:]]))
+        (fail,) = w.about("b", m.TransferFailed)
+        assert "refused a bad hand-over notice" in fail.reason
+        _loop(h, 3)
+        time.sleep(0.1)  # well past the 0.05 s lease
+        _loop(h, 3)
+        assert deng.blocks.num_blocks - deng.blocks.num_free == held and not deng.has_work()
+        assert len(w.about("b", m.TransferFailed)) == 1 and not w.about("b", m.Transferred)
+        h.handle(m.Recompute("b", PROMPT_B, params, ref["0"][0]))
+        _until(h, lambda: w.about("b", m.Finished))
+        assert w.tokens("b") == ref["0"]  # the kept first token, sent once, then the recomputed rest
+        deng.check_idle()
+    finally:
+        h.close()

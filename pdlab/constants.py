@@ -22,10 +22,23 @@ NIXL_UCX_TLS = "auto"
 NIXL_UCX_TLS_BASE = "tcp,sm,self"
 NIXL_MODULES = ("nixl", "nixl_cu12", "nixl_cu13")  # "nixl": the meta package, picks by torch's CUDA
 FIRST_TOKEN_FROM = ("decode", "prefill")
+# what a disaggregated deployment does with a request whose KV hand-over failed or timed out (vLLM's
+# kv_load_failure_policy): fail it with the reason, or prefill it again on its decode worker
+TRANSFER_FAILURE_POLICIES = ("fail", "recompute")
+TRANSFER_FAILURE_POLICY = "fail"
+# where a request's prompt was prefilled (requests.jsonl `prefill_route`): on a unified worker, on a prefill
+# worker and handed over, on its decode worker by choice (selective disaggregation), or on its decode worker
+# again after a failed hand-over
+PREFILL_ROUTES = ("unified", "remote", "local", "recompute")
+REMOTE_PREFILL_MIN_TOKENS = 0  # route: prefill remotely from this many uncached prompt tokens (0: always)
+# testing only: inject a fault into every (or every n-th) KV hand-over a decode worker receives, whatever the
+# transport; PDLAB_KV_FAULT=drop|delay|corrupt[:n] (pdlab.kv.faults)
+KV_FAULT_ENV = "PDLAB_KV_FAULT"
+KV_FAULT_KINDS = ("drop", "delay", "corrupt")
 STATS = ("mean", "p50", "p90", "p99", "max")  # latency statistics, and the per-request ITL statistic
 MISS_KINDS = ("ttft_only", "itl_only", "both", "failed")
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "burst")
-LENGTH_KINDS = ("fixed", "uniform", "dataset")
+LENGTH_KINDS = ("fixed", "uniform", "dataset", "mixture")
 # attention kernels (pdlab.engine.cuda_attention): CPU runs `sdpa`; CUDA `flash-attn` with pdlab[flash], else
 # `sdpa-expanded`. flash-attn's paged KV takes pages of a multiple of this many tokens.
 ATTENTION_KERNELS = ("sdpa", "flash-attn", "sdpa-expanded")
@@ -41,6 +54,7 @@ HEARTBEAT_S = 0.5  # a worker's heartbeat period
 HEARTBEAT_TIMEOUT_S = 5.0  # no heartbeat for this long: the worker is dead or stopped
 READY_TIMEOUT_S = 120.0  # workers load their model within this
 STOP_TIMEOUT_S = 10.0  # stop(): Stop message, then SIGTERM, then SIGKILL within this
+REAP_TIMEOUT_S = 120.0  # stop(): then wait this long more for SIGKILLed workers to be gone (reaped)
 STALL_TIMEOUT_S = 300.0  # a run with no event at all for this long is stuck
 
 

@@ -228,12 +228,12 @@ class Harness:
         tag = {"variant": variant, "rate": rate, "repeat": repeat, **({"warmup": True} if warmup else {})}
 
         def record(p: _Pending, output_ids: list[int], error: Optional[str], phases: Optional[dict] = None,
-                   workers: Optional[dict] = None, cached: int = 0) -> dict:
+                   workers: Optional[dict] = None, cached: int = 0, route: Optional[str] = None) -> dict:
             return build_request_record(
                 variant=variant, rate=rate, id=p.req.id, prompt_ids=p.req.prompt_ids, output_ids=output_ids,
                 arrival=p.arrival, token_times=p.token_times, slo=slo, error=error, phases=phases,
                 workers=workers, cached_tokens=cached, warmup=warmup, repeat=repeat,
-                delivery_lag=[b - a for a, b in zip(p.token_times, p.received)])
+                delivery_lag=[b - a for a, b in zip(p.token_times, p.received)], route=route)
 
         def append(kind: str, records: list[dict]) -> None:
             if write:
@@ -266,7 +266,7 @@ class Harness:
                             workers = ({"prefill": e.prefill_worker, "decode": e.decode_worker} if e.decode_worker
                                        else {"unified": e.prefill_worker})
                             records.append(record(p, e.output_ids, None if e.ok else (e.error or "failed"),
-                                                  e.phases, workers, e.cached_tokens))
+                                                  e.phases, workers, e.cached_tokens, e.route))
                     elif isinstance(e, StepEvent):
                         steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
                         self._worker_view(e)

@@ -82,6 +82,10 @@ def _length(spec: LengthSpec, rng: np.random.Generator, line: Optional[dict], wh
         return int(spec.value)
     if spec.kind == "uniform":
         return int(rng.integers(spec.min, spec.max + 1))
+    if spec.kind == "mixture":
+        weights = np.array([w for w, _ in spec.parts], dtype=float)
+        part = spec.parts[int(rng.choice(len(spec.parts), p=weights / weights.sum()))][1]
+        return _length(part, rng, line, what)
     if line is None or line.get(what) is None:
         raise WorkloadError(f"workload.{what}: kind dataset but the dataset line has no {what}")
     return int(line[what])

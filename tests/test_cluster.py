@@ -305,3 +305,27 @@ def test_sharing_devices_is_allowed_when_asked():
     c.stop()  # never started: a no-op
     with pytest.raises(ClusterError, match="not running"):
         c.submit("x", [1], {})
+
+
+def _exists(pid: int) -> bool:
+    """Whether `pid` is still in the process table, as a zombie too (os.kill(pid, 0) also finds zombies)."""
+    return os.path.exists(f"/proc/{pid}")
+
+
+@pytest.mark.slow
+def test_stop_reaps_every_worker_even_when_they_are_slow_to_die():
+    """stop() waits for every child, however short its own timeout: a worker SIGKILLed a moment before, or
+    one still unwinding, is reaped, not left behind as a zombie (re-parented to init once we exit)."""
+    c = Cluster(MODEL, ENGINE, {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}})
+    try:
+        c.start()
+        pids = [w.pid for w in c.workers]
+        c.submit("k", eh.prompts([20], seed=1)[0], {"max_tokens": 500, "ignore_eos": True})
+        deadline = time.monotonic() + 30
+        while not any(isinstance(e, TokenEvent) and e.index >= 1 for e in c.poll(0.5)):
+            assert time.monotonic() < deadline
+        os.kill(next(w.pid for w in c.workers if w.role == "decode"), signal.SIGKILL)
+    finally:
+        c.stop(timeout=0.01)  # no time to exit politely: terminated and killed at once, then waited for
+    assert not [p for p in pids if _exists(p)], "a worker was not waited for"
+    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(c.run_prefix)]

@@ -181,3 +181,23 @@ def test_live_view_plain_lines_and_render():
     Console(file=buf, width=150).print(view.render())
     text = buf.getvalue()
     assert "unified-0" in text and "25%" in text and "1/2 (50%)" in text
+
+
+def test_compare_says_where_prompts_were_prefilled(tmp_path):
+    """Selective routing (or recomputed hand-overs): the summary counts prefill_route per rate, and compare
+    prints one line per row that prefilled anywhere but where its layout says."""
+    from rich.console import Console
+
+    path = make_run(tmp_path / "r")
+    run = load_run(path)
+    for i, r in enumerate(run.requests):
+        r["prefill_route"] = "unified" if r["variant"] == "unified" else ("local" if i % 2 else "remote")
+    summary = summarize_run(run.requests, run.steps, [], SLO)
+    assert summary["variants"]["disagg"]["rates"]["1"]["prefill_routes"] == {"local": 5, "remote": 5}
+    with RunDir(path) as rd:
+        rd.write_summary(summary)
+    buf = io.StringIO()
+    render(compare([load_run(path)]), Console(file=buf, width=100))
+    out = buf.getvalue()
+    assert "where prompts were prefilled" in out and "disagg: local 10, remote 10" in out  # rates 1 and 2
+    assert "unified: unified" not in out

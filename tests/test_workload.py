@@ -141,3 +141,17 @@ def test_warmup_is_separate_and_immediate():
 
 def test_rate_tag():
     assert [rate_tag(r) for r in (2.0, 0.5, math.inf, 12.0)] == ["2", "0.5", "inf", "12"]
+
+
+def test_a_mixture_of_lengths_draws_each_part_by_its_weight():
+    mix = {"kind": "mixture", "parts": [{"weight": 3, "kind": "uniform", "min": 16, "max": 32},
+                                        {"weight": 1, "kind": "fixed", "value": 300}]}
+    w = spec(dict(W, requests=400, input_len=mix))
+    reqs = build_requests(w, 2.0, seed=0, vocab_size=512)
+    lens = [len(r.prompt_ids) for r in reqs]
+    long = sum(n == 300 for n in lens)
+    assert all(16 <= n <= 32 or n == 300 for n in lens)
+    assert 0.18 < long / len(lens) < 0.32  # a quarter, give or take the draw
+    assert build_requests(w, 2.0, seed=0, vocab_size=512) == reqs  # seeded
+    assert w.input_len.shortest == 16 and w.input_len.mean == pytest.approx((3 * 24 + 300) / 4)
+    assert spec(w.to_raw()) == w  # round trip through recipe.yaml

@@ -50,6 +50,9 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))  # never cached or invalidated
         self.evictable: OrderedDict[int, None] = OrderedDict()  # ref 0, still cached, LRU first
         self.cached: dict[int, int] = {}  # key -> block
+        # when a list: (True, key) for every key cached, (False, key) for every key dropped, for a worker to
+        # report (pdlab.serve: selective routing mirrors a decode worker's prefix cache)
+        self.events: Optional[list[tuple[bool, int]]] = None
 
     # ---- capacity ----
     @property
@@ -108,6 +111,8 @@ class BlockManager:
             if k not in self.cached and self.key[b] is None:
                 self.cached[k] = b
                 self.key[b] = k
+                if self.events is not None:
+                    self.events.append((True, k))
 
     # ---- allocation ----
     def allocate(self, seq: Sequence, num_tokens: int) -> list[int]:
@@ -153,6 +158,8 @@ class BlockManager:
         k = self.key[b]
         if k is not None and self.cached.get(k) == b:
             del self.cached[k]
+            if self.events is not None:
+                self.events.append((False, k))
         self.key[b] = None
 
     def release(self, seq: Sequence) -> None:

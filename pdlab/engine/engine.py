@@ -156,9 +156,14 @@ class Engine:
         seq.generator = make_generator(params, self.device)
         return seq
 
-    def add(self, req_id: str, prompt_ids: list[int], params: Optional[SamplingParams] = None) -> None:
-        """Queue a request. Raises RequestError (engine state unchanged) if it cannot be served."""
+    def add(self, req_id: str, prompt_ids: list[int], params: Optional[SamplingParams] = None,
+            first_token: Optional[int] = None) -> None:
+        """Queue a request. Raises RequestError (engine state unchanged) if it cannot be served.
+        `first_token`: already sampled elsewhere (a prefill that was not handed over): the request is
+        prefilled with it, as a preempted one is recomputed, and its next token is its second."""
         seq = self._new_seq(req_id, prompt_ids, params or SamplingParams())
+        if first_token is not None:
+            seq.output_ids.append(first_token)
         self.seqs[req_id] = seq
         self.scheduler.add(seq)
 

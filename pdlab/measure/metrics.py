@@ -53,12 +53,14 @@ def timings(arrival: float, token_times: list[float]) -> dict:
 def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list[int], output_ids: list[int],
                          arrival: float, token_times: list[float], slo: SLO, error: Optional[str] = None,
                          phases: Optional[dict] = None, workers: Optional[dict] = None, cached_tokens: int = 0,
-                         warmup: bool = False, repeat: int = 0, delivery_lag: Optional[list[float]] = None) -> dict:
+                         warmup: bool = False, repeat: int = 0, delivery_lag: Optional[list[float]] = None,
+                         route: Optional[str] = None) -> dict:
     """One requests.jsonl line from what the router collected: raw timestamps in, metrics and SLO verdict out.
 
     `workers`: {"prefill": name, "decode": name} (unified: the same name for both, or {"unified": name}).
     A request is ok when it has no error and at least one token. `token_times` are the workers' stamps;
-    `delivery_lag` (seconds per token) is how long each took to reach the router.
+    `delivery_lag` (seconds per token) is how long each took to reach the router. `route`: where its prompt
+    was prefilled (`prefill_route`, one of constants.PREFILL_ROUTES; None when it never got that far).
     """
     workers = workers or {}
     t = timings(arrival, token_times)
@@ -73,6 +75,7 @@ def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list
     rec.update(request_slo(ok, t["ttft"], t["itl"], slo))
     rec["prefill_worker"] = workers.get("prefill", workers.get("unified"))
     rec["decode_worker"] = workers.get("decode", workers.get("unified"))
+    rec["prefill_route"] = route
     rec["phases"] = dict(phases or {})
     if warmup:
         rec["warmup"] = True
@@ -123,6 +126,7 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
         "slo_met": met, "attainment": met / sent if sent else None,
         "attainment_tpot": met_tpot / sent if sent else None,
         "misses": misses,
+        "prefill_routes": _count(r.get("prefill_route") for r in per),
         "duration_s": duration,
         "slo_met_per_s": per_s(met), "request_throughput": per_s(len(good)),
         "output_tok_s": per_s(out_tokens), "total_tok_s": per_s(out_tokens + in_tokens),
@@ -141,3 +145,12 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
                       "ms": stats(xfer_ms, 1000.0)},
         "steps": len(steps),
     }
+
+
+def _count(values: Iterable[Optional[str]]) -> dict:
+    """How many requests prefilled where (prefill_route; records that never got that far are left out)."""
+    out: dict = {}
+    for v in values:
+        if v is not None:
+            out[v] = out.get(v, 0) + 1
+    return dict(sorted(out.items()))

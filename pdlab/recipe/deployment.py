@@ -3,13 +3,18 @@
     {unified: {replicas: N, devices: [...]}, share_devices: false}
     {prefill: {replicas: N, devices: [...]}, decode: {replicas: M, devices: [...]},
      transport: shm|cuda-ipc|host|nixl, mode: pull|push, first_token: decode|prefill,
-     share_devices: false, transfer_timeout_s: 30, nixl: {backends: [UCX], ucx_tls: auto}}
+     share_devices: false, transfer_timeout_s: 30, nixl: {backends: [UCX], ucx_tls: auto},
+     on_transfer_failure: fail|recompute, route: {remote_prefill_min_tokens: 0}}
     both shapes also take step_timeout_s and control (a tcp:// address; ipc:// in a private directory otherwise)
 
 A group's devices are one spec per replica (`[cuda:0-3, cuda:4-7]` with replicas 2), or a list split
 evenly among the replicas (`[cpu:0, cpu:1]` with replicas 2: one core each), or, with `share_devices:
 true`, fewer devices than replicas taken round-robin (`[cpu:0]` with replicas 2: both on core 0). Workers
 may share a device only with `share_devices: true`. The transport defaults to shm on cpu, cuda-ipc on cuda.
+`on_transfer_failure` says what happens to a request whose KV hand-over failed or timed out: `fail` it (a
+failed request, with the reason) or `recompute` its prefill on the decode worker. `route` is selective
+disaggregation: a request is prefilled on a prefill worker only when the part of its prompt that the decode
+worker does not hold in its prefix cache is at least `remote_prefill_min_tokens` long (0: always).
 This is the only place a deployment's shape is checked; `pdlab.serve.topology` checks the machine.
 """
 
@@ -18,8 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pdlab.constants import (DEPLOYMENT_KINDS, FIRST_TOKEN_FROM, GPU_TRANSPORTS, MODES, STEP_TIMEOUT_S,
-                             TRANSFER_TIMEOUT_S, TRANSPORTS)
+from pdlab.constants import (DEPLOYMENT_KINDS, FIRST_TOKEN_FROM, GPU_TRANSPORTS, MODES, REMOTE_PREFILL_MIN_TOKENS,
+                             STEP_TIMEOUT_S, TRANSFER_FAILURE_POLICIES, TRANSFER_FAILURE_POLICY, TRANSFER_TIMEOUT_S,
+                             TRANSPORTS)
 from pdlab.devices import format_devices, overlaps, parse_devices
 from pdlab.fields import (RecipeError, Section, as_mapping, key_of, one_of, optional, section, spec, to_bool,
                           to_float, to_int)
@@ -29,7 +35,8 @@ FORM = "{unified: {devices: [cpu:0]}} or {prefill: {devices: [cpu:0]}, decode: {
 _COMMON = ("share_devices", "control", "step_timeout_s")
 KEYS = {"unified": ("kind", "unified", *_COMMON),
         "disagg": ("kind", "prefill", "decode", "transport", "mode", "first_token", "transfer_timeout_s", "nixl",
-                   *_COMMON)}
+                   "on_transfer_failure", "route", *_COMMON)}
+DISAGG_ONLY = tuple(k for k in KEYS["disagg"] if k not in KEYS["unified"])
 
 
 def _devices(v: Any) -> tuple[str, ...]:
@@ -78,6 +85,19 @@ class WorkerGroup(Section):
 
 
 @dataclass(frozen=True)
+class RouteSpec(Section):
+    """Selective disaggregation (llm-d's decider, Dynamo's conditional disaggregation): which requests go to a
+    prefill worker. The rest are prefilled by the decode worker chosen for them."""
+
+    remote_prefill_min_tokens: int = spec(REMOTE_PREFILL_MIN_TOKENS, "an integer >= 0 (uncached prompt tokens "
+                                          "from which a request is prefilled remotely; 0: always)", to_int(0))
+
+    @property
+    def selective(self) -> bool:
+        return self.remote_prefill_min_tokens > 0
+
+
+@dataclass(frozen=True)
 class PlannedWorker:
     name: str  # "unified0", "prefill1", "decode0"
     role: str
@@ -102,6 +122,10 @@ class Deployment(Section):
                             one_of(FIRST_TOKEN_FROM))
     share_devices: bool = spec(False, "true or false", to_bool)
     transfer_timeout_s: float = spec(TRANSFER_TIMEOUT_S, "a number > 0 (seconds)", to_float(0.0))
+    on_transfer_failure: str = spec(TRANSFER_FAILURE_POLICY, f"one of {', '.join(TRANSFER_FAILURE_POLICIES)} (a "
+                                    "request whose KV hand-over failed: fail it, or prefill it again on its decode "
+                                    "worker)", one_of(TRANSFER_FAILURE_POLICIES))
+    route: RouteSpec = spec(RouteSpec(), parse=section(RouteSpec))
     step_timeout_s: float = spec(STEP_TIMEOUT_S, "a number > 0 (seconds one engine step may take before its "
                                                  "worker is declared hung)", to_float(0.0))
     control: Optional[str] = spec(None, "a tcp:// or ipc:// address (default: ipc:// in a private directory)",

@@ -23,7 +23,7 @@ import yaml
 from pdlab.engine.config import EngineConfig
 from pdlab.fields import (RecipeError, Section, check_keys, did_you_mean, key_of, plain, section, spec, to_bool,
                           to_float, to_int, to_text)
-from pdlab.recipe.deployment import Deployment
+from pdlab.recipe.deployment import DISAGG_ONLY, Deployment
 from pdlab.recipe.model import ModelSpec
 from pdlab.recipe.slo import DEFAULT_ITL_MS, DEFAULT_TTFT_MS, SLO
 from pdlab.recipe.workload import WorkloadSpec
@@ -56,7 +56,7 @@ def _merge_deployment(base: Optional[dict], over: Optional[dict]) -> Optional[di
         return copy.deepcopy(over)
     base = copy.deepcopy(base)
     if "unified" in over:
-        for k in ("prefill", "decode", "transport", "mode", "first_token", "transfer_timeout_s", "kind"):
+        for k in (*DISAGG_ONLY, "kind"):
             base.pop(k, None)
     if "prefill" in over or "decode" in over:
         base.pop("unified", None)

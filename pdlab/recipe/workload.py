@@ -10,8 +10,28 @@ from pdlab.constants import ARRIVAL_KINDS, LENGTH_KINDS
 from pdlab.fields import (RecipeError, Section, as_mapping, key_of, optional, section, spec, to_bool, to_float,
                           to_int, to_str)
 
-LENGTH_FORMS = "{kind: fixed, value: N}, {kind: uniform, min: A, max: B} or {kind: dataset}"
-_LENGTH_KEYS = {"fixed": ("value",), "uniform": ("min", "max"), "dataset": ()}
+LENGTH_FORMS = ("{kind: fixed, value: N}, {kind: uniform, min: A, max: B}, {kind: dataset} or {kind: mixture, "
+                "parts: [{weight: W, kind: uniform, min: A, max: B}, ...]}")
+_LENGTH_KEYS = {"fixed": ("value",), "uniform": ("min", "max"), "dataset": (), "mixture": ("parts",)}
+_PART_KINDS = ("fixed", "uniform")
+
+
+def _parts(v: Any, where: str) -> tuple:
+    """A mixture's parts: [(weight, LengthSpec)], each a fixed or uniform length with a weight > 0."""
+    if not isinstance(v, list) or not v:
+        raise RecipeError(f"{where}: expected a list of {{weight: W, kind: fixed|uniform, ...}}, got {v!r}")
+    out = []
+    for i, part in enumerate(v):
+        key = f"{where}[{i}]"
+        if not isinstance(part, dict) or part.get("kind") not in _PART_KINDS:
+            raise RecipeError(f"{key}: expected {{weight: W, kind: fixed|uniform, ...}}, got {part!r}")
+        rest = {k: x for k, x in part.items() if k != "weight"}
+        try:
+            weight = to_float(0.0)(part.get("weight", 1.0))
+        except (ValueError, TypeError):
+            raise RecipeError(f"{key}.weight: expected a number > 0, got {part.get('weight')!r}") from None
+        out.append((weight, LengthSpec.from_raw(rest, key)))
+    return tuple(out)
 # arrival kind -> its own keys: (field, expected)
 _ARRIVAL_KEYS = {"gamma": {"burstiness": "a number > 0 (1 = poisson, < 1 burstier)"},
                  "burst": {"size": "an integer >= 1 (requests per burst)"}}
@@ -25,6 +45,7 @@ class LengthSpec(Section):
     value: Optional[int] = spec(None, "an integer >= 1 (tokens)", to_int(1))
     min: Optional[int] = spec(None, "an integer >= 1 (tokens)", to_int(1))
     max: Optional[int] = spec(None, "an integer >= 1 (tokens)", to_int(1))
+    parts: tuple = spec((), parse=_parts)  # mixture: ((weight, LengthSpec), ...), drawn by weight
 
     @classmethod
     def from_raw(cls, raw: Any, where: str) -> "LengthSpec":
@@ -44,11 +65,25 @@ class LengthSpec(Section):
             raise RecipeError(f"{where}: min ({self.min}) must be <= max ({self.max})")
 
     def to_raw(self) -> dict:
+        if self.kind == "mixture":
+            return {"kind": self.kind, "parts": [{"weight": w, **p.to_raw()} for w, p in self.parts]}
         return {"kind": self.kind, **{k: getattr(self, k) for k in _LENGTH_KEYS[self.kind]}}
 
     @property
     def shortest(self) -> Optional[int]:
+        if self.kind == "mixture":
+            return min(p.shortest for _, p in self.parts)
         return {"fixed": self.value, "uniform": self.min}.get(self.kind)
+
+    @property
+    def mean(self) -> Optional[float]:
+        """The expected length (None for dataset lengths)."""
+        if self.kind == "mixture":
+            total = sum(w for w, _ in self.parts)
+            return sum(w * p.mean for w, p in self.parts) / total
+        if self.kind == "uniform":
+            return (self.min + self.max) / 2
+        return self.value if self.kind == "fixed" else None
 
 
 @dataclass(frozen=True)

@@ -106,12 +106,21 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
                 "attainment": {t: x["over_repeats"]["attainment"] for t, x in vs["rates"].items()},
                 "trials": [[t["rate"] for t in rep["goodput"]["trials"]] for rep in vs.get("repeats", [])],
                 "misses": misses, "sent": sum(x["sent"] for x in finite),
+                "prefill_routes": _sum_counts(x.get("prefill_routes") or {} for x in finite),
                 "itl_misses": misses["itl_only"] + misses["both"], "ttft_misses": misses["ttft_only"] + misses["both"],
                 "prefill_interruptions": sum(x["interference"]["prefill_interruptions"] for x in finite),
                 "mdl1": [m for m in ((vs.get("mdl1") or {}).get("repeats") or [])],
                 "_vs": vs,
             })
     return rows
+
+
+def _sum_counts(counts: Any) -> dict:
+    out: dict = {}
+    for c in counts:
+        for k, n in c.items():
+            out[k] = out.get(k, 0) + n
+    return out
 
 
 def _focus(rows: list[dict], slo: Optional[dict]) -> Optional[str]:
@@ -225,6 +234,12 @@ def render(result: dict, console: Any = None) -> None:
         misses = f"{m['ttft_only']}/{m['itl_only']}/{m['both']}/{m['failed']} of {r['sent']}"
         lt.add_row(escape(r["label"]), *cells, misses, str(r["prefill_interruptions"]))
     console.print(lt)
+    routed = [r for r in result["rows"] if set(r.get("prefill_routes") or {}) - {"unified", "remote"}]
+    if routed:  # selective routing or recomputed hand-overs: say where the prompts were prefilled
+        console.print("where prompts were prefilled (finite rates; local: on the decode worker by choice, "
+                      "recompute: there again after a failed hand-over):")
+        for r in routed:
+            console.print(f"  {escape(r['label'])}: " + ", ".join(f"{k} {n}" for k, n in r["prefill_routes"].items()))
     if result["mode"] == "search":
         for r in result["rows"]:
             tried = "; ".join(", ".join(f"{x:g}" for x in t) for t in r["trials"]) or "—"

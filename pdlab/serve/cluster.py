@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pdlab.constants import HEARTBEAT_TIMEOUT_S, READY_TIMEOUT_S, STOP_TIMEOUT_S
+from pdlab.constants import HEARTBEAT_TIMEOUT_S, READY_TIMEOUT_S, REAP_TIMEOUT_S, STOP_TIMEOUT_S
 from pdlab.engine.config import EngineConfig
 from pdlab.kv import shm
 from pdlab.recipe.deployment import Deployment
@@ -90,7 +90,8 @@ class Cluster:
             states = [WorkerState(p.worker.name, p.worker.role, list(p.worker.devices)) for p in self.placements]
             self.router = Router(self._sock, states, mode=d.mode, first_token=d.first_token,
                                  transfer_timeout_s=d.transfer_timeout_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
-                                 step_timeout_s=d.step_timeout_s)
+                                 step_timeout_s=d.step_timeout_s, on_transfer_failure=d.on_transfer_failure,
+                                 remote_prefill_min_tokens=d.route.remote_prefill_min_tokens)
             ctx = mp.get_context("spawn")
             for p, w in zip(self.placements, states):
                 spec = WorkerSpec(p.worker.name, p.worker.role, p.worker.devices, endpoint, self.model, self.engine,
@@ -98,7 +99,8 @@ class Cluster:
                                   d.first_token, p.visible_gpus, d.transfer_timeout_s, tp=p.worker.tp,
                                   nixl=d.nixl.to_raw() if d.nixl and d.transport == "nixl" else None,
                                   memory_share=p.memory_share, host_cores=p.host_cores,
-                                  peers=tuple(o.name for o in d.workers if d.disaggregated and o.role != p.worker.role))
+                                  peers=tuple(o.name for o in d.workers if d.disaggregated and o.role != p.worker.role),
+                                  report_cache=p.worker.role == "decode" and d.route.selective)
                 w.proc = ctx.Process(target=run_worker, args=(spec.to_raw(),), name=f"pdlab-{p.worker.name}",
                                      daemon=True)
                 w.proc.start()
@@ -120,6 +122,20 @@ class Cluster:
                 late = [w.name for w in r.workers.values() if not w.ready]
                 raise ClusterError(f"workers not ready within {timeout:g}s: {', '.join(late)}")
         r.events = [e for e in r.events if not isinstance(e, StepEvent)]
+        self._check_pairs()
+
+    def _check_pairs(self) -> None:
+        """Every prefill worker can hand KV to every decode worker (pdlab.kv.fingerprint), or nothing is sent."""
+        from pdlab.kv.fingerprint import KvFingerprint, PairingError, check_pair
+
+        ws = self.router.workers.values()
+        try:
+            for p in [w for w in ws if w.role == "prefill"]:
+                for d in [w for w in ws if w.role == "decode"]:
+                    check_pair(p.name, KvFingerprint.from_raw(p.fingerprint), d.name,
+                               KvFingerprint.from_raw(d.fingerprint))
+        except PairingError as e:
+            raise ClusterError(str(e)) from None
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """Stop workers (Stop, then SIGTERM, then SIGKILL), close sockets, remove the run's files."""
@@ -141,6 +157,11 @@ class Cluster:
                 getattr(p, sig)()
             for p in alive:
                 p.join(timeout / 4)
+        # Wait for every child, however long a SIGKILLed one takes to go (unmapping a large pool on a busy box
+        # can take seconds): a child not waited for outlives us as a zombie, re-parented to init.
+        deadline = time.monotonic() + REAP_TIMEOUT_S
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
         if self._sock is not None:
             self._sock.close(0)
         if self._ctx is not None:
@@ -218,3 +239,16 @@ class Cluster:
 def _stop_all() -> None:
     for c in list(_live):
         c.stop()
+    _stop_resource_tracker()
+
+
+def _stop_resource_tracker() -> None:
+    """Starting spawn workers also started multiprocessing's resource tracker, a child that Python < 3.13
+    leaves running at exit: it ends when our end of its pipe closes, after we are gone, a zombie re-parented
+    to init. Stop it and wait for it, so that every child of pdlab is reaped before pdlab exits."""
+    try:
+        from multiprocessing import resource_tracker
+
+        resource_tracker._resource_tracker._stop()
+    except Exception:  # noqa: BLE001 - a private API: if it changed, the tracker ends as before
+        pass

@@ -2,11 +2,12 @@
 
 unified: add requests, stream tokens.
 prefill: add requests; a request that sampled its first token is handed off (`PrefillDone`) and keeps its
-  blocks until `Release`. In push mode each layer's KV goes to the decode pool during the last step.
-decode: `Pull` (reserve, read the prefill pool, admit) or `Reserve` + `Admit` (push: the KV was written
-  by the prefill worker); requests without room wait here until `transfer_timeout_s`. A pull's copy runs
-  beside the loop (PullCopier) while the running requests keep decoding; the request is admitted when its
-  KV has landed. Its blocks stay reserved until the copy ended, also if it was aborted or timed out.
+  blocks until `Release`. In push mode each layer's KV goes to the decode pool during the last step; a push
+  that failed is reported as `TransferFailed`, and an aborted push is confirmed (`Aborted`): from then on
+  nothing is written into the decode blocks reserved for it.
+decode: KV in through pdlab.serve.intake (reservations with a lease, landing, failures); a `Submit` (selective
+  routing) or a `Recompute` (failed hand-over) is prefilled here like a unified worker would. With selective
+  routing it reports its prefix-cache changes (`CacheEvents`) so the router can mirror them.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from typing import Any, Optional
 
 from pdlab.constants import cdiv
 from pdlab.engine import RequestError, SamplingParams
-from pdlab.kv.pull import PullCopier, PullJob
 from pdlab.kv.push import PushCopier, PushJob
 from pdlab.kv.modelled import modelled_copy
 from pdlab.kv.transfer import TransferRecord, copy_blocks
@@ -28,13 +28,9 @@ class RoleHandler:
         self.w, self.eng, self.role = worker, worker.engine, worker.role
         self.spec, self.transport = worker.spec, worker.transport
         self.seqs: dict[str, Any] = {}  # engine Sequence objects, for their timestamps
+        self.prefilled_here: set[str] = set()  # decode role: requests it prefilled itself
         self.push: dict[str, dict] = {}  # prefill, push mode: req -> decode blocks to write
-        self.pending: list[tuple[Any, float]] = []  # decode: Pull/Reserve waiting for room
-        self.reserved: dict[str, tuple[list[int], int]] = {}  # decode, push mode: req -> (blocks, skip)
-        self.pulls: dict[str, tuple[m.Pull, int, int, PullJob]] = {}  # decode, pull: copies in flight
-        self.dropped: set[str] = set()  # pulls aborted or timed out: cancel the reservation once copied
         self.copier: Optional[PushCopier] = None
-        self.puller: Optional[PullCopier] = None  # decode: started at the first Pull
         timing = self.spec.model.timing  # a timed engine: hand-overs take the modelled transfer time
         copy = self.transport.copy if self.transport is not None else copy_blocks  # nixl: READ / WRITE
         self.copy_fn = copy if timing is None else modelled_copy(
@@ -46,6 +42,13 @@ class RoleHandler:
         if self.role == "prefill" and self.spec.mode == "push":
             self.copier = PushCopier(self.pool, self.copy_fn)
             self.eng.layer_hook = self._layer_hook
+        self.intake = None
+        if self.role == "decode":
+            from pdlab.serve.intake import KvIntake
+
+            self.intake = KvIntake(self)
+            if self.spec.report_cache:
+                self.eng.blocks.events = []
 
     # ---- messages ----
     def handle(self, msg: Any) -> None:
@@ -57,23 +60,25 @@ class RoleHandler:
             self.seqs[msg.req_id] = self.eng.sequence(msg.req_id)
             if msg.push:
                 self.push[msg.req_id] = msg.push
+            if self.role == "decode":
+                self.prefilled_here.add(msg.req_id)
         elif isinstance(msg, (m.Pull, m.Reserve)):
-            self.pending.append((msg, time.monotonic()))
-            self._reserve_pending()
+            self.intake.take(msg)
         elif isinstance(msg, m.Admit):
-            self._admit_pushed(msg)
+            self.intake.admit_pushed(msg)
+        elif isinstance(msg, m.Recompute):
+            self.intake.recompute(msg)
+        elif isinstance(msg, m.Renew):
+            self.intake.renew(msg.req_ids)
         elif isinstance(msg, m.Release):
             if self.eng.sequence(msg.req_id) is not None:
                 self.eng.release(msg.req_id)
             self._forget(msg.req_id)
         elif isinstance(msg, m.Abort):
-            self.pending = [(p, t) for p, t in self.pending if p.req_id != msg.req_id]
-            self.reserved.pop(msg.req_id, None)
-            if msg.req_id in self.pulls:  # its copy may still write into its blocks: free them after it
-                self.dropped.add(msg.req_id)
-                self.puller.cancel(self.pulls[msg.req_id][3])
-            else:
+            if self.intake is None or not self.intake.abort(msg.req_id):
                 self.eng.abort(msg.req_id)
+            if msg.req_id in self.push:  # its push had not ended: confirm that nothing more is written
+                self.w._send(m.Aborted(self.w.name, msg.req_id))
             self._forget(msg.req_id)
         elif isinstance(msg, m.Query):
             self.w._send(self.w.stats(msg.token))
@@ -85,87 +90,33 @@ class RoleHandler:
     def _forget(self, req_id: str) -> None:
         self.seqs.pop(req_id, None)
         self.push.pop(req_id, None)
+        self.prefilled_here.discard(req_id)
+
+    def local(self, req_id: str) -> None:
+        """Decode role: `req_id` was added to the engine to be prefilled here."""
+        self.seqs[req_id] = self.eng.sequence(req_id)
+        self.prefilled_here.add(req_id)
 
     def _fail(self, req_id: str, error: str) -> None:
         self._forget(req_id)
         self.w._send(m.Finished(self.w.name, req_id, False, error))
 
-    # ---- decode: KV in ----
+    # ---- decode: KV in (pdlab.serve.intake) ----
     def has_pending(self) -> bool:
-        return bool(self.pending) or bool(self.pulls)
+        return self.intake is not None and self.intake.busy()
 
     def poll_pending(self) -> None:
-        """Admit the pulls whose copy ended, then reserve blocks for waiting hand-overs."""
-        if self.pulls:
-            if not self.eng.has_work():
-                self.puller.wait(0.002)  # nothing to step: do not spin on the core the copy runs on
-            self._collect_pulls()
-        self._reserve_pending()
+        if self.intake is not None:
+            self.intake.poll()
+        self.flush_cache_events()
 
-    def _reserve_pending(self) -> None:
-        """Try to reserve blocks for waiting hand-overs, oldest first; time out those that wait too long."""
-        still = []
-        for i, (msg, t0) in enumerate(self.pending):
-            try:
-                first = msg.first_token if isinstance(msg, m.Pull) else None  # push: given at Admit
-                r = self.eng.reserve(msg.req_id, msg.prompt_ids, first, SamplingParams(**msg.params))
-            except (RequestError, TypeError) as e:
-                self._fail(msg.req_id, str(e))
-                continue
-            if r is None:
-                if time.monotonic() - t0 > self.spec.transfer_timeout_s:
-                    self._fail(msg.req_id, f"{self.w.name}: no KV room for {msg.req_id} within "
-                                           f"{self.spec.transfer_timeout_s:g}s")
-                else:
-                    still.append((msg, t0))
-                continue
-            if isinstance(msg, m.Pull):
-                self._pull(msg, r)
-            else:
-                self.reserved[msg.req_id] = (r.block_ids, r.cached_blocks)
-                self.w._send(m.Reserved(self.w.name, msg.req_id, r.block_ids, r.cached_blocks))
-        self.pending = still
-
-    def _pull(self, msg: m.Pull, r: Any) -> None:
-        skip = r.cached_blocks
-        try:
-            src = self.transport.open(msg.src_pool)
-            if self.puller is None:
-                self.puller = PullCopier(self.pool, self.copy_fn)
-            job = self.puller.submit(msg.req_id, src, msg.src_blocks[skip:], r.block_ids[skip:])
-        except Exception as e:  # noqa: BLE001 - the request fails, the worker keeps serving
-            self.eng.cancel_reservation(msg.req_id)
-            return self._fail(msg.req_id, f"{self.w.name}: KV pull from {msg.src} failed: {e}")
-        self.pulls[msg.req_id] = (msg, skip, len(r.block_ids) - skip, job)
-
-    def _collect_pulls(self) -> None:
-        for job in self.puller.poll():
-            msg, skip, blocks, _ = self.pulls.pop(job.req_id)
-            if job.req_id in self.dropped:  # aborted or timed out: nobody waits for it any more
-                self.dropped.discard(job.req_id)
-                self.eng.cancel_reservation(job.req_id)
-            elif job.error:
-                self.eng.cancel_reservation(job.req_id)
-                self._fail(job.req_id, f"{self.w.name}: KV pull from {msg.src} failed: {job.error}")
-            else:
-                rec = TransferRecord(job.req_id, job.bytes, blocks, job.start, job.end, self.transport.name, "pull",
-                                     msg.src, self.w.name, skip * self.eng.block_bytes, job.busy,
-                                     self.transport.path(msg.src_pool["name"]))
-                self._start_decoding(job.req_id, msg.first_token, rec.to_dict())
-        now = time.monotonic()
-        for rid, (msg, _, _, job) in self.pulls.items():
-            if rid not in self.dropped and now - job.submitted > self.spec.transfer_timeout_s:
-                self.dropped.add(rid)  # its blocks stay reserved until the copy ends
-                self.puller.cancel(job)
-                self._fail(rid, f"{self.w.name}: KV pull of {rid} from {msg.src} did not finish within "
-                                f"{self.spec.transfer_timeout_s:g}s")
-
-    def _admit_pushed(self, msg: m.Admit) -> None:
-        if msg.req_id not in self.reserved:
-            return self._fail(msg.req_id, f"{self.w.name}: admit for {msg.req_id}, which holds no reservation")
-        blocks, skip = self.reserved.pop(msg.req_id)
-        self.transport.stage_in(blocks[skip:])
-        self._start_decoding(msg.req_id, msg.first_token, None)
+    def flush_cache_events(self) -> None:
+        ev = self.eng.blocks.events
+        if ev:
+            last = dict((k, add) for add, k in ev)  # each key's final state: stored, or dropped
+            stored, removed = [k for k, a in last.items() if a], [k for k, a in last.items() if not a]
+            self.w._send(m.CacheEvents(self.w.name, stored, removed))
+            ev.clear()
 
     def _start_decoding(self, req_id: str, first_token: int, record: Optional[dict]) -> None:
         self.eng.admit(req_id, first_token)
@@ -197,8 +148,9 @@ class RoleHandler:
             job = jobs.get(req_id)
             if job is None or job.error:
                 self.eng.release(req_id)
-                return self._fail(req_id, f"{self.w.name}: KV push to {tgt['dst']} failed: "
-                                          f"{job.error if job else 'not pushed'}")
+                self._forget(req_id)
+                return self.w._send(m.TransferFailed(self.w.name, req_id, f"{self.w.name}: KV push to {tgt['dst']} "
+                                                     f"failed: {job.error if job else 'not pushed'}", info.first_token))
             rec = TransferRecord(req_id, job.bytes, len(job.src_blocks), job.start, job.end, self.transport.name, "push",
                                  self.w.name, tgt["dst"], tgt["skip"] * self.eng.block_bytes, job.busy,
                                  self.transport.path(tgt["pool"]["name"])).to_dict()
@@ -206,7 +158,7 @@ class RoleHandler:
             self.transport.stage_out(info.block_ids)  # host transport: D2H into this worker's mirror
         self.w._send(m.PrefillDone(self.w.name, req_id, info.first_token, info.block_ids,
                                    seq.num_cached if seq else 0, _t(seq, "t_first_scheduled"),
-                                   _t(seq, "t_prefill_end"), rec))
+                                   _t(seq, "t_prefill_end"), rec, list(job.dst_blocks) if rec else []))
 
     # ---- the step ----
     def step(self) -> None:
@@ -228,19 +180,21 @@ class RoleHandler:
                 if t.finished:
                     seq = self.seqs.get(t.req_id)
                     phases = {"prefill_start": _t(seq, "t_first_scheduled"), "prefill_end": _t(seq, "t_prefill_end")}
+                    here = self.role != "decode" or t.req_id in self.prefilled_here
                     done.append(m.Finished(self.w.name, t.req_id, True, cached_tokens=t.cached_tokens,
-                                           phases=phases if self.role != "decode" else {}))
+                                           phases=phases if here else {}))
                     self._forget(t.req_id)
         if items:  # stamped when sampled: the end of the step that produced them
             self.w._send(m.Tokens(self.w.name, items, out.record.end if out.record else time.monotonic()))
         for msg in done:
             self.w._send(msg)
+        self.flush_cache_events()
 
     def close(self) -> None:
         if self.copier is not None:
             self.copier.close()
-        if self.puller is not None:
-            self.puller.close()
+        if self.intake is not None:
+            self.intake.close()
 
 
 def _t(seq: Any, attr: str) -> float:

@@ -63,10 +63,31 @@ class Pull:
 
 @message
 class Admit:
-    """Push mode: the KV is in the reserved blocks; start decoding with `first_token`."""
+    """Push mode: the KV is in the reserved blocks; start decoding with `first_token`. `written`: the decode
+    blocks the prefill worker wrote (checked against the reservation before anything is read from them)."""
 
     req_id: str
     first_token: int
+    written: list = field(default_factory=list)
+
+
+@message
+class Renew:
+    """Decode worker, push mode: these requests' prefill workers are alive and still computing them: their
+    leases start over (the queue before a prefill is not a transfer that failed)."""
+
+    req_ids: list
+
+
+@message
+class Recompute:
+    """Decode worker: the request's KV hand-over failed; let go of its reservation (once nothing writes into
+    it any more) and prefill the request here. `first_token`, when the prefill worker sampled it, is kept."""
+
+    req_id: str
+    prompt_ids: list
+    params: dict
+    first_token: Optional[int] = None
 
 
 @message
@@ -110,6 +131,7 @@ class Ready:
     pool: Optional[dict]  # {"name", "shape", "dtype"} when the pool is attachable, else None
     kv_blocks: int
     block_size: int
+    fingerprint: dict = field(default_factory=dict)  # disaggregated roles: pdlab.kv.fingerprint, checked at pairing
 
 
 @message
@@ -140,6 +162,7 @@ class PrefillDone:
     prefill_start: float
     prefill_end: float
     transfer: Optional[dict] = None
+    written: list = field(default_factory=list)  # push: the decode blocks written (for Admit)
 
 
 @message
@@ -158,6 +181,37 @@ class Transferred:
     req_id: str
     admitted: float
     record: Optional[dict] = None
+
+
+@message
+class TransferFailed:
+    """A KV hand-over failed or timed out (decode: lease ran out, copy failed, a bad notice; prefill: the push
+    failed). The decode side keeps a push reservation's blocks until told what to do: the prefill worker may
+    still be writing into them."""
+
+    worker: str
+    req_id: str
+    reason: str
+    first_token: Optional[int] = None  # a prefill worker's: the token it sampled
+
+
+@message
+class Aborted:
+    """Prefill worker, push mode: it let go of a request whose push had not ended; it writes no more into the
+    decode blocks reserved for it (the fence the decode side waits for before reusing them)."""
+
+    worker: str
+    req_id: str
+
+
+@message
+class CacheEvents:
+    """Decode worker, selective routing: prefix-cache keys it stored and dropped since the last report, so
+    the router can mirror what it holds (llm-d's KV events)."""
+
+    worker: str
+    stored: list
+    removed: list
 
 
 @message

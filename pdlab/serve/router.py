@@ -8,6 +8,13 @@ worker, then the decode worker with the most free KV blocks (less what in-flight
 A worker "holds" a request from the message that gives it the request until it reports it finished or
 is told to release it; when a request ends early (error, timeout, failed worker) every other holder
 gets an `Abort`, so no block stays behind on either side.
+
+Selective disaggregation (`route.remote_prefill_min_tokens`): a request whose prompt, less what the chosen
+decode worker holds in its prefix cache (pdlab.serve.mirror), is shorter than the threshold is prefilled by
+that decode worker itself. A failed KV hand-over (`TransferFailed`, or no `Transferred` in time) follows the
+deployment's `on_transfer_failure`: fail the request, or `Recompute` it on its decode worker. In push mode
+the decode blocks are given back only after the prefill worker stopped writing into them (its `Aborted`,
+its `PrefillDone`, its own `TransferFailed`, or its death): the *fence*.
 """
 
 from __future__ import annotations
@@ -16,49 +23,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from pdlab.constants import cdiv
+from pdlab.constants import TRANSFER_FAILURE_POLICY, cdiv
 from pdlab.serve import messages as m
+from pdlab.serve.handover import HandOverFailures
+from pdlab.serve.events import RequestDone, StepEvent, TokenEvent, TransferEvent, WorkerFailed
+from pdlab.serve.mirror import PrefixMirror
 
-
-@dataclass
-class TokenEvent:
-    req_id: str
-    token_id: int
-    t: float  # when the worker sampled it (its step's end), time.monotonic(): system-wide, one clock
-    index: int
-    finished: bool
-    worker: str
-    received: float = 0.0  # when the router read it; received - t is the delivery lag (a health figure)
-
-
-@dataclass
-class RequestDone:
-    req_id: str
-    ok: bool
-    error: str
-    output_ids: list[int]
-    cached_tokens: int
-    prefill_worker: Optional[str]
-    decode_worker: Optional[str]
-    phases: dict  # queued, prefill_start, prefill_end, transfer_start, transfer_end, admitted, sent
-
-
-@dataclass
-class StepEvent:
-    worker: str
-    role: str
-    record: dict
-
-
-@dataclass
-class TransferEvent:
-    record: dict
-
-
-@dataclass
-class WorkerFailed:
-    worker: str
-    reason: str
+__all__ = ["Router", "WorkerState", "RequestDone", "StepEvent", "TokenEvent", "TransferEvent", "WorkerFailed"]
 
 
 @dataclass
@@ -76,6 +47,8 @@ class WorkerState:
     loop_t: float = 0.0
     failed: Optional[str] = None
     holds: set = field(default_factory=set)  # req_ids this worker holds
+    cache: PrefixMirror = field(default_factory=PrefixMirror)  # decode, selective routing: its prefix cache
+    fingerprint: dict = field(default_factory=dict)  # disaggregated roles: what its KV blocks are (Ready)
 
 
 @dataclass
@@ -90,16 +63,21 @@ class _Req:
     cached_tokens: int = 0
     first_token: Optional[int] = None
     handoff_t: float = 0.0  # when the KV hand-over began (timeout clock)
+    route: str = "remote"  # where its prompt is prefilled (constants.PREFILL_ROUTES)
+    fencing: Optional[str] = None  # push: the hand-over failed for this reason; waiting for the prefill to stop
 
 
-class Router:
+class Router(HandOverFailures):
     def __init__(self, sock: Any, workers: list[WorkerState], *, mode: str, first_token: str,
-                 transfer_timeout_s: float, heartbeat_timeout_s: float, step_timeout_s: float):
+                 transfer_timeout_s: float, heartbeat_timeout_s: float, step_timeout_s: float,
+                 on_transfer_failure: str = TRANSFER_FAILURE_POLICY, remote_prefill_min_tokens: int = 0):
         self.sock, self.mode, self.first_token = sock, mode, first_token
+        self.on_failure, self.remote_min = on_transfer_failure, remote_prefill_min_tokens
         self.workers = {w.name: w for w in workers}
         self.transfer_timeout_s = transfer_timeout_s
         self.heartbeat_timeout_s, self.step_timeout_s = heartbeat_timeout_s, step_timeout_s
         self.reqs: dict[str, _Req] = {}
+        self._renewed = 0.0  # push mode: when the decode leases of requests still in prefill were last renewed
         self.events: list[Any] = []
         self.stats: dict[str, m.Stats] = {}
 
@@ -126,6 +104,10 @@ class Router:
         req = _Req(req_id, list(prompt_ids), dict(params), {"queued": time.monotonic()})
         self.reqs[req_id] = req
         unified = any(w.role == "unified" for w in self.workers.values())
+        if unified:
+            req.route = "unified"
+        elif self.remote_min and self._prefill_locally(req):
+            return
         if unified or self.mode == "pull":  # push reserves the decode blocks first (below)
             role = "unified" if unified else "prefill"
             w = self._least_loaded(role)
@@ -140,6 +122,17 @@ class Router:
             req.decode = d.name
             self._give(req, d.name, m.Reserve(req_id, req.prompt_ids, req.params))
 
+    def _prefill_locally(self, req: _Req) -> bool:
+        """Selective routing: a prompt with fewer uncached tokens than the threshold, after what the chosen
+        decode worker holds in its prefix cache, is prefilled by that decode worker."""
+        d = self._decode_with_room(req)
+        if d is None or len(req.prompt_ids) - d.cache.cached_tokens(req.prompt_ids, d.block_size) >= self.remote_min:
+            return False
+        req.prefill = req.decode = d.name
+        req.route = "local"
+        self._give(req, d.name, m.Submit(req.req_id, req.prompt_ids, req.params))
+        return True
+
     def _least_loaded(self, role: str) -> Optional[WorkerState]:
         ws = self._of(role)
         return min(ws, key=lambda w: (len(w.holds), w.name)) if ws else None
@@ -147,7 +140,7 @@ class Router:
     def _decode_with_room(self, req: _Req) -> Optional[WorkerState]:
         def room(w: WorkerState) -> int:
             inflight = sum(self._blocks(self.reqs[r], w) for r in w.holds if r in self.reqs and r != req.req_id
-                           and "admitted" not in self.reqs[r].phases)
+                           and "admitted" not in self.reqs[r].phases and self.reqs[r].route == "remote")
             return w.free_blocks - inflight
 
         ws = self._of("decode")
@@ -190,10 +183,17 @@ class Router:
             self._reserved(w, msg)
         elif isinstance(msg, m.Transferred):
             self._transferred(w, msg)
+        elif isinstance(msg, m.TransferFailed):
+            self._transfer_failed(w, msg)
+        elif isinstance(msg, m.Aborted):
+            self._aborted(msg)
+        elif isinstance(msg, m.CacheEvents):
+            w.cache.apply(msg.stored, msg.removed)
         elif isinstance(msg, m.Stats):
             self.stats[w.name] = msg
         elif isinstance(msg, m.Ready):
             w.ready, w.pool, w.kv_blocks, w.block_size = True, msg.pool, msg.kv_blocks, msg.block_size
+            w.fingerprint = msg.fingerprint
             w.free_blocks, w.loop_t = msg.kv_blocks, now
         elif isinstance(msg, m.Fatal):
             self.fail_worker(w.name, msg.reason)
@@ -215,12 +215,12 @@ class Router:
         req.first_token, req.cached_tokens, req.handoff_t = msg.first_token, msg.cached_tokens, now
         req.phases.update(prefill_start=msg.prefill_start, prefill_end=msg.prefill_end)
         if self.first_token == "prefill":
-            req.phases["sent"] = msg.prefill_end
-            req.output_ids.append(msg.first_token)
-            self.events.append(TokenEvent(req.req_id, msg.first_token, msg.prefill_end or now, 0, False, w.name, now))
+            self._deliver_first(req, msg.prefill_end or now, w.name)
+        if req.fencing is not None:  # push: the hand-over failed meanwhile; the prefill writes no more
+            return self._apply_policy(req, req.fencing)
         if msg.transfer is not None:  # push: the KV is already in the decode pool
             self._transfer_record(req, msg.transfer)
-            self.send(req.decode, m.Admit(req.req_id, msg.first_token))
+            self.send(req.decode, m.Admit(req.req_id, msg.first_token, msg.written))
             return
         d = self._decode_with_room(req)
         if d is None:
@@ -251,6 +251,14 @@ class Router:
             self.workers[req.prefill].holds.discard(req.req_id)
             self.send(req.prefill, m.Release(req.req_id))
 
+    def _deliver_first(self, req: _Req, t: float, worker: str) -> None:
+        """first_token: prefill: the router delivers the prefill worker's first token (once)."""
+        if req.output_ids or req.first_token is None:
+            return
+        req.phases["sent"] = t
+        req.output_ids.append(req.first_token)
+        self.events.append(TokenEvent(req.req_id, req.first_token, t, 0, False, worker, time.monotonic()))
+
     def _transfer_record(self, req: _Req, rec: dict) -> None:
         req.phases.update(transfer_start=rec["start"], transfer_end=rec["end"])
         self.events.append(TransferEvent(rec))
@@ -263,11 +271,12 @@ class Router:
                 w.holds.discard(req.req_id)
                 self.send(w.name, m.Abort(req.req_id))
         self.events.append(RequestDone(req.req_id, ok, error, list(req.output_ids), req.cached_tokens,
-                                       req.prefill, req.decode, dict(req.phases)))
+                                       req.prefill, req.decode, dict(req.phases), req.route))
 
     # ---- faults ----
     def check_health(self, now: Optional[float] = None) -> None:
         now = time.monotonic() if now is None else now
+        self._renew_leases(now)
         for w in self.workers.values():
             if w.failed is not None or w.proc is None:
                 continue
@@ -281,8 +290,8 @@ class Router:
                 self.fail_worker(w.name, f"worker {w.name} is hung: one step has run {now - w.loop_t:.0f}s", kill=True)
         for req in list(self.reqs.values()):
             if req.handoff_t and "admitted" not in req.phases and now - req.handoff_t > self.transfer_timeout_s + 2:
-                self._done(req, False, f"KV hand-over {req.prefill} -> {req.decode} did not finish "
-                                       f"within {self.transfer_timeout_s:g}s")
+                self._apply_policy(req, f"KV hand-over {req.prefill} -> {req.decode} did not finish "
+                                        f"within {self.transfer_timeout_s:g}s")
 
     def fail_worker(self, name: str, reason: str, kill: bool = False) -> None:
         w = self.workers[name]
@@ -297,3 +306,5 @@ class Router:
             if req is not None:
                 self._done(req, False, f"worker {name} failed: {reason}")
         w.holds.clear()
+        for req in [r for r in self.reqs.values() if r.fencing is not None and r.prefill == name]:
+            self._apply_policy(req, req.fencing)  # a dead prefill worker writes no more

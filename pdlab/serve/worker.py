@@ -45,6 +45,7 @@ class WorkerSpec:
     memory_share: float = 1.0  # of each of its GPUs' memory (workers sharing a GPU split it, pdlab.serve.sharing)
     host_cores: tuple[int, ...] = ()  # a GPU worker's host cores (pinned, one torch thread each)
     peers: tuple[str, ...] = ()  # the workers of the other role (cuda-ipc: one pool export each)
+    report_cache: bool = False  # decode role, selective routing: report prefix-cache changes (CacheEvents)
 
     def to_raw(self) -> dict:
         """Plain data for the spawn arguments: nothing pickled needs pdlab classes."""
@@ -157,8 +158,13 @@ class Worker:
                 handle = self.tp.export(handle, kv_heads)
                 self.pool = self.tp.pool(self.engine.kv, kv_heads)
         self.handler = RoleHandler(self)
+        fp = {}
+        if self.transport is not None:
+            from pdlab.kv.fingerprint import KvFingerprint
+
+            fp = KvFingerprint.of(spec.model, self.engine, tp=spec.tp).to_raw()
         self._send(m.Ready(self.name, os.getpid(), handle,
-                           self.engine.blocks.num_blocks, self.engine.config.block_size))
+                           self.engine.blocks.num_blocks, self.engine.config.block_size, fp))
 
     def _send(self, msg: Any) -> None:
         self.sock.send(m.encode(msg))

@@ -53,9 +53,7 @@ def closed_form(v: Variant, slo: SLO, deployment: Deployment) -> Optional[float]
     A unified worker does both: its capacity is 1 / (1 / prefill + 1 / decode) (time sharing)."""
     t = v.model.timing.step
     wl = v.workload
-    prompt = {"fixed": wl.input_len.value,
-              "uniform": (wl.input_len.min + wl.input_len.max) / 2 if wl.input_len.kind == "uniform" else None
-              }.get(wl.input_len.kind)
+    prompt = wl.input_len.mean
     out_len = wl.output_len.value if wl.output_len.kind == "fixed" else None
     if not prompt or not out_len:
         return None

@@ -300,4 +300,4 @@ class Simulator:
             variant=self.v.name, rate=self._tag["rate"], id=rid, prompt_ids=r.wr.prompt_ids,
             output_ids=r.output_ids, arrival=r.arrival, token_times=r.tokens, slo=self.slo, error=error,
             phases=r.phases, workers=workers, cached_tokens=r.cached, warmup=bool(self._tag.get("warmup")),
-            repeat=self._tag["repeat"], delivery_lag=[0.0] * len(r.tokens)))
+            repeat=self._tag["repeat"], delivery_lag=[0.0] * len(r.tokens), route="remote" if r.decode else "unified"))

@@ -1,0 +1,126 @@
+"""Selective disaggregation: `route.remote_prefill_min_tokens` sends a request to a prefill worker only when
+the part of its prompt that its decode worker does not hold in its prefix cache is at least that long; the
+others are prefilled by the decode worker. The router knows what a decode worker holds from the cache
+events it reports. Every route gives the very tokens a single engine gives."""
+
+import time
+
+import pytest
+
+import engine_helpers as eh
+from pdlab.engine.blocks import BlockManager, prefix_keys
+from pdlab.engine.config import EngineConfig, SamplingParams
+from pdlab.engine.sequence import Sequence
+from pdlab.recipe import Deployment, ModelSpec
+from pdlab.serve.cluster import Cluster, RequestDone, TokenEvent
+from pdlab.serve.mirror import PrefixMirror
+
+BS = 8
+ENGINE = {"block_size": BS, "kv_blocks": 64, "token_budget": 256, "max_running": 16, "prefix_caching": True}
+MIN_TOKENS = 24
+PREFIX = eh.prompts([40], seed=11)[0]  # five blocks
+ROUND1 = {"long": PREFIX + eh.prompts([9], seed=12)[0],  # 49 tokens, nothing cached: remote
+          "short": eh.prompts([15], seed=13)[0]}  # 15 < 24: local
+ROUND2 = {"cached": PREFIX + eh.prompts([6], seed=14)[0],  # 46 tokens, 40 held by the decode worker: local
+          "new-long": eh.prompts([30], seed=15)[0]}  # 30 uncached: remote
+ROUTES = {"long": "remote", "short": "local", "cached": "local", "new-long": "remote"}
+MAX_TOKENS = 7
+
+
+def test_block_manager_reports_what_it_caches_and_drops():
+    bm = BlockManager(4, BS, prefix_caching=True)
+    bm.events = []
+    seq = Sequence("a", list(range(100, 124)), SamplingParams())  # three full blocks
+    bm.allocate(seq, 24)
+    seq.num_computed = 24
+    bm.register_full_blocks(seq)
+    keys = prefix_keys(seq.prompt_ids, BS)
+    assert bm.events == [(True, k) for k in keys]
+    bm.release(seq)  # released blocks stay cached (evictable): nothing dropped yet
+    assert len(bm.events) == 3
+    other = Sequence("b", list(range(500, 532)), SamplingParams())
+    bm.allocate(other, 32)  # needs all four blocks: three cached ones are evicted
+    assert sorted(k for add, k in bm.events[3:] if not add) == sorted(keys)
+
+
+def test_mirror_counts_the_held_prefix_and_always_leaves_the_last_token():
+    m = PrefixMirror()
+    prompt = list(range(10, 10 + 4 * BS))  # exactly four blocks
+    keys = prefix_keys(prompt, BS)
+    assert m.cached_tokens(prompt, BS) == 0
+    m.apply(keys, [])
+    assert m.cached_tokens(prompt, BS) == 3 * BS  # the last token is always computed: three blocks count
+    assert m.cached_tokens(prompt + [1], BS) == 4 * BS
+    m.apply([], keys[1:2])  # a hole in the chain ends the match
+    assert m.cached_tokens(prompt + [1], BS) == BS
+    assert m.cached_tokens([5] + prompt[1:] + [1], BS) == 0  # another first block: another chain
+
+
+@pytest.fixture(scope="module")
+def reference():
+    out = {}
+    for rid, p in {**ROUND1, **ROUND2}.items():
+        got, _ = eh.run(eh.engine("tiny-llama", prefix_caching=False, kv_blocks=64, block_size=BS), [p],
+                        max_tokens=MAX_TOKENS)
+        out[rid] = got["0"]
+    return out
+
+
+def _serve(c, reqs):
+    for rid, p in reqs.items():
+        c.submit(rid, p, {"max_tokens": MAX_TOKENS, "ignore_eos": True})
+    done, tokens = {}, {rid: [] for rid in reqs}
+    deadline = time.monotonic() + 60
+    while set(reqs) - set(done):
+        assert time.monotonic() < deadline, f"not done: {set(reqs) - set(done)}"
+        for e in c.poll(0.2):
+            if isinstance(e, TokenEvent):
+                tokens[e.req_id].append(e)
+            elif isinstance(e, RequestDone):
+                done[e.req_id] = e
+    return done, tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,first_token", [("pull", "decode"), ("push", "prefill")])
+def test_selective_routes_by_uncached_prompt_and_matches_a_single_engine(mode, first_token, reference):
+    dep = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": mode,
+           "first_token": first_token, "route": {"remote_prefill_min_tokens": MIN_TOKENS}}
+    c = Cluster(ModelSpec.from_raw({"preset": "tiny-llama"}, "model"), EngineConfig.from_raw(ENGINE, "engine"),
+                Deployment.from_raw(dep, "deployment"))
+    try:
+        c.start()
+        done, tokens = _serve(c, ROUND1)
+        d2, t2 = _serve(c, ROUND2)  # after round 1 the decode worker holds PREFIX (handed over with "long")
+        done.update(d2), tokens.update(t2)
+        stats = c.kv_stats()
+    finally:
+        c.stop()
+    for rid, d in done.items():
+        assert d.ok, d.error
+        assert d.route == ROUTES[rid], (rid, d.route)
+        assert d.output_ids == reference[rid], rid
+        assert [e.token_id for e in tokens[rid]] == reference[rid]
+        assert [e.index for e in tokens[rid]] == list(range(MAX_TOKENS))
+        assert d.decode_worker == "decode0"
+        if d.route == "local":
+            assert d.prefill_worker == "decode0" and {e.worker for e in tokens[rid]} == {"decode0"}
+            assert d.phases["prefill_start"] <= d.phases["prefill_end"]
+        else:
+            assert d.prefill_worker == "prefill0"
+    assert done["cached"].cached_tokens == len(PREFIX)  # the decode worker reused the prefix it held
+    for name, s in stats.items():
+        assert s.free_blocks == s.total_blocks and s.requests == 0 and not s.leak, (name, s)
+
+
+def test_the_simulator_refuses_selective_routing_rather_than_ignore_it(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", os.path.join(root, "recipes", "selective.yaml"),
+                        "--simulate", "--set", "model.timing=cpu-demo-2core", "--out", str(tmp_path / "never")],
+                       capture_output=True, text=True, timeout=120, cwd=root)
+    assert r.returncode == 2 and "variants.selective-256.deployment.route" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()

@@ -20,6 +20,13 @@ MISS_KINDS = ("ttft_only", "itl_only", "both", "failed")
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "burst")
 LENGTH_KINDS = ("fixed", "uniform", "dataset")
 # dtype aliases a recipe or the CLI may use -> the torch dtype name ("auto": the checkpoint's own)
+# engine backends: pdlab's own engine, or an external server pdlab starts (pdlab.external)
+ENGINE_BACKENDS = ("pdlab", "vllm")
+EXTERNAL_BACKENDS = ("vllm",)
+VLLM_PYTHON = ".venv-vllm/bin/python"  # scripts/vllm-env.sh creates it; relative paths are from the cwd
+VLLM_KV_CACHE_GB = 2.0  # VLLM_CPU_KVCACHE_SPACE per CPU server (GiB)
+SERVED_MODEL_NAME = "pdlab"  # the name pdlab's client asks an external server for
+MODEL_CACHE_DIR = "runs/models"  # presets saved with save_pretrained for external servers
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "auto": "auto"}
 
@@ -30,6 +37,7 @@ HEARTBEAT_S = 0.5  # a worker's heartbeat period
 HEARTBEAT_TIMEOUT_S = 5.0  # no heartbeat for this long: the worker is dead or stopped
 READY_TIMEOUT_S = 120.0  # workers load their model within this
 STOP_TIMEOUT_S = 10.0  # stop(): Stop message, then SIGTERM, then SIGKILL within this
+SERVER_READY_TIMEOUT_S = 300.0  # an external server (vLLM: 60-75 s on a 2-core box) is healthy within this
 STALL_TIMEOUT_S = 300.0  # a run with no event at all for this long is stuck
 
 

@@ -78,9 +78,9 @@ def test_bad_backend_keys_name_the_key(engine, key):
         parse_recipe({**BASE, "engine": engine})
 
 
-def test_vllm_pd_needs_pull():
-    dep = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "push"}
-    with pytest.raises(RecipeError, match="deployment.mode"):
+def test_vllm_pd_streams_every_token_from_decode():
+    dep = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "first_token": "prefill"}
+    with pytest.raises(RecipeError, match="deployment.first_token"):
         parse_recipe({**BASE, "deployment": dep, "engine": {"backend": "vllm"}})
 
 
@@ -94,6 +94,7 @@ def test_unified_run_writes_the_in_house_records(tmp_path, fake_python):
     summary = json.load(open(out / "summary.json"))
     assert summary["variants"]["unified"] and not summary.get("partial")
     assert os.path.exists(out / "servers" / "unified.unified0.log")
+    assert json.load(open(out / "servers" / "unified.json"))["backend"] == "vllm"
     assert len(pids) == 2  # calibration's server, then the variant's
     no_survivor(pids)
 

@@ -15,6 +15,8 @@ empty for these variants. Every server is stopped on exit, on failure, on Ctrl-C
 from __future__ import annotations
 
 import atexit
+import json
+import os
 import queue
 import tempfile
 import threading
@@ -98,12 +100,21 @@ class ExternalCluster:
             deadline = time.monotonic() + b.ready_timeout_s
             for slot in self.slots.values():
                 slot.server.wait_ready(deadline)
+            self._write_version()
         except ServerError as e:
             self.stop()
             raise ClusterError(f"{b.backend}: {e}") from None
         except BaseException:
             self.stop()
             raise
+
+    def _write_version(self) -> None:
+        """What served the variant, beside its logs: the server's /version and the interpreter."""
+        first = next(iter(self.slots.values()))
+        info = {"backend": self.v.backend.backend, "python": self.v.backend.interpreter,
+                "version": first.server.version(), "args": list(first.server.spec.argv[1:])}
+        with open(os.path.join(self.log_dir, f"{self.label}.json"), "w") as f:
+            json.dump(info, f, indent=2)
 
     def stop(self) -> None:
         """Stop every server this cluster started. Idempotent."""

@@ -10,6 +10,7 @@ meaningful line of it, so the one-line error names the cause.
 from __future__ import annotations
 
 import http.client
+import json
 import os
 import signal
 import socket
@@ -119,6 +120,18 @@ class Server:
             return conn.getresponse().status == 200
         except (OSError, http.client.HTTPException):
             return False
+        finally:
+            conn.close()
+
+    def version(self) -> Optional[str]:
+        """The server's own /version, None when it has none."""
+        conn = http.client.HTTPConnection(HOST, self.spec.port, timeout=5)
+        try:
+            conn.request("GET", "/version")
+            resp = conn.getresponse()
+            return json.loads(resp.read()).get("version") if resp.status == 200 else None
+        except (OSError, http.client.HTTPException, ValueError, AttributeError):
+            return None
         finally:
             conn.close()
 

@@ -12,7 +12,7 @@ passed: vLLM's CPU backend uses its own (128 tokens). engine.args come last and 
 Placement follows pdlab's workers: cores through CPU affinity and VLLM_CPU_OMP_THREADS_BIND with one OMP
 thread per core; GPUs through CUDA_VISIBLE_DEVICES and --tensor-parallel-size. Disaggregated, the
 prefill servers are NixlConnector kv_producers and the decode servers kv_consumers, each with its own
-NIXL side channel on loopback.
+NIXL side channel on loopback; mode pull is NixlConnector, push NixlPushConnector.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from pdlab.recipe.backend import EngineBackend
 
 API_MODULE = "vllm.entrypoints.openai.api_server"
 KV_ROLES = {"prefill": "kv_producer", "decode": "kv_consumer"}
+# deployment.mode -> vLLM's NIXL connector: pull, D reads P's blocks; push, P writes them into the blocks D
+# registered (after P's prefill, not layer by layer). The proxy's hand-off is the same for both.
+CONNECTORS = {"pull": "NixlConnector", "push": "NixlPushConnector"}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -87,7 +90,7 @@ def server_specs(*, name: str, backend: EngineBackend, model: Any, engine: Any, 
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in p.visible_gpus[:len(devices)])
             argv += ["--tensor-parallel-size", str(len(devices))]
         if deployment.disaggregated:
-            argv += ["--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector", "kv_role": KV_ROLES[w.role],
+            argv += ["--kv-transfer-config", json.dumps({"kv_connector": CONNECTORS[deployment.mode], "kv_role": KV_ROLES[w.role],
                                                          "kv_buffer_device": "cpu" if cores else "cuda"})]
             env.update(VLLM_NIXL_SIDE_CHANNEL_HOST=HOST, VLLM_NIXL_SIDE_CHANNEL_PORT=str(free_port()))
             if cores:

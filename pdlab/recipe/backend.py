@@ -71,9 +71,6 @@ def check_external(backend: EngineBackend, model: Any, deployment: Any, where: s
     if model.modelled:
         raise RecipeError(f"{where}.model.timing: an external engine runs the real model; remove the timing "
                           f"or use engine.backend: pdlab")
-    if deployment.disaggregated and deployment.mode != "pull":
-        raise RecipeError(f"{where}.deployment.mode: {backend.backend} P/D runs with NixlConnector, which pulls; "
-                          "use mode: pull (the installed vLLM has no push connector)")
     if deployment.disaggregated and deployment.first_token != "decode":
         raise RecipeError(f"{where}.deployment.first_token: {backend.backend} P/D streams every token from the "
                           "decode server; use first_token: decode")

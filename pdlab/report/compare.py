@@ -31,6 +31,13 @@ from pdlab.workload import rate_tag
 WIDTH = 100
 
 
+def _interference(x: dict) -> dict:
+    """The engine-side attribution; the client-side one for an engine without step records (vLLM)."""
+    if not x.get("steps") and x.get("interference_client"):
+        return x["interference_client"]
+    return x["interference"]
+
+
 def describe_deployment(dep: Optional[dict]) -> str:
     """`unified 2x[cpu:0|cpu:1]` or `1P[cpu:0] + 1D[cpu:1] shm push`, from recipe.yaml's deployment."""
     if not dep:
@@ -91,7 +98,7 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
                 "trials": [[t["rate"] for t in rep["goodput"]["trials"]] for rep in vs.get("repeats", [])],
                 "misses": misses, "sent": sum(x["sent"] for x in finite),
                 "itl_misses": misses["itl_only"] + misses["both"], "ttft_misses": misses["ttft_only"] + misses["both"],
-                "prefill_interruptions": sum(x["interference"]["prefill_interruptions"] for x in finite),
+                "prefill_interruptions": sum(_interference(x)["prefill_interruptions"] for x in finite),
                 "mdl1": [m for m in ((vs.get("mdl1") or {}).get("repeats") or [])],
                 "_vs": vs,
             })

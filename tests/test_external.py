@@ -78,6 +78,12 @@ def test_bad_backend_keys_name_the_key(engine, key):
         parse_recipe({**BASE, "engine": engine})
 
 
+def test_vllm_push_on_cpu_is_refused():
+    dep = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "push"}
+    with pytest.raises(RecipeError, match="deployment.mode: .*use mode: pull"):
+        parse_recipe({**BASE, "deployment": dep, "engine": {"backend": "vllm"}})
+
+
 def test_vllm_pd_streams_every_token_from_decode():
     dep = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "first_token": "prefill"}
     with pytest.raises(RecipeError, match="deployment.first_token"):
@@ -150,4 +156,24 @@ def test_killing_a_server_mid_run_ends_the_run_cleanly(tmp_path, fake_python):
     summary = json.load(open(out / "summary.json"))
     assert summary["partial"] is True
     assert any(not r["ok"] for r in records(out))
+    no_survivor(read_pids(pids_file))
+
+
+def test_ctrl_c_stops_every_server(tmp_path, fake_python):
+    out, pids_file = tmp_path / "run", tmp_path / "pids"
+    env = {**os.environ, "FAKE_VLLM_PIDS": str(pids_file), "PDLAB_MODEL_CACHE": str(tmp_path / "models")}
+    cmd = [sys.executable, "-m", "pdlab.cli", "run", TINY, "--out", str(out), "--variants", "disagg",
+           "--set", "engine.backend=vllm", "--set", f"engine.python={fake_python}", "--set", "rates=[2]",
+           "--set", "workload.requests=20", "--set", "workload.output_len.value=40",
+           "--set", "engine.args=[--fake-token-s, '0.05', --fake-child]"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_requests(str(out), proc)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, stderr
+    assert json.load(open(out / "summary.json"))["partial"] is True
     no_survivor(read_pids(pids_file))

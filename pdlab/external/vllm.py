@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any
 
 from pdlab.constants import MODEL_CACHE_DIR, SERVED_MODEL_NAME
@@ -49,7 +50,10 @@ def model_dir(model: Any, root: str = "") -> str:
         m.config._attn_implementation = "sdpa"  # pdlab's attention is registered in this process only
         tmp = f"{out}.tmp-{os.getpid()}"
         m.save_pretrained(tmp)
-        os.replace(tmp, out)
+        try:
+            os.replace(tmp, out)
+        except OSError:  # another run saved it first: the same seeded weights
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -1,7 +1,7 @@
 """Parity with vLLM: on the same saved cpu-demo model and the same token-id prompts, vLLM's greedy outputs
 (through pdlab's external backend: server start, streaming client, stop) equal pdlab's engine's, token for
-token. Needs vLLM's environment (scripts/vllm-env.sh); skipped, saying so, without it. One vLLM server on
-one core: it takes a minute or more to become healthy."""
+token, unified and P/D. Needs vLLM's environment (scripts/vllm-env.sh --nixl); skipped, saying so, without
+it. Each vLLM server takes a core and a minute or more to become healthy."""
 
 import os
 
@@ -20,13 +20,17 @@ pytestmark = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
                                        "scripts/vllm-env.sh")
 
 
-def vllm_outputs(reqs: list[list[int]], tmp_path) -> dict[str, list[int]]:
+UNIFIED = {"unified": {"devices": ["cpu:0"]}}
+PD = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "pull"}
+
+
+def vllm_outputs(reqs: list[list[int]], tmp_path, deployment: dict) -> dict[str, list[int]]:
     from pdlab.external.cluster import ExternalCluster
     from pdlab.serve.router import RequestDone
 
     recipe = parse_recipe({"model": {"preset": "cpu-demo"}, "rates": [1],
                            "engine": {"backend": "vllm", "python": VLLM_PYTHON, "prefix_caching": False},
-                           "deployment": {"unified": {"devices": ["cpu:0"]}}})
+                           "deployment": deployment})
     v = recipe.resolved("default")
     os.environ["PDLAB_MODEL_CACHE"] = str(tmp_path / "models")
     outs: dict[str, list[int]] = {}
@@ -42,9 +46,11 @@ def vllm_outputs(reqs: list[list[int]], tmp_path) -> dict[str, list[int]]:
     return outs
 
 
-def test_greedy_outputs_equal_pdlab_engine(tmp_path):
+@pytest.mark.parametrize("deployment", [UNIFIED, PD], ids=["unified", "pd-nixl"])
+def test_greedy_outputs_equal_pdlab_engine(tmp_path, deployment):
+    """P/D: the decode server's output, after pulling the prefill server's KV over NIXL."""
     reqs = prompts(LENGTHS, vocab=4096, seed=8)
     ours, _ = run(engine("cpu-demo", block_size=16, prefix_caching=False), reqs, max_tokens=NEW_TOKENS)
-    theirs = vllm_outputs(reqs, tmp_path)
+    theirs = vllm_outputs(reqs, tmp_path, deployment)
     same = [k for k in ours if ours[k] == theirs[k]]
     assert len(same) == len(reqs), {k: (ours[k][:8], theirs[k][:8]) for k in ours if k not in same}

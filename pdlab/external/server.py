@@ -67,7 +67,7 @@ def log_tail(path: str, lines: int = LOG_TAIL_LINES) -> list[str]:
 def cause(path: str) -> str:
     """The last line of a log that says what went wrong (an exception, an error), else its last line."""
     tail = [line.strip() for line in log_tail(path, 200) if line.strip()]
-    for line in reversed(tail):
+    for line in reversed([t for t in tail if " WARNING " not in t]):  # vLLM warns with exception text
         low = line.lower()
         if any(w in low for w in ("error", "exception", "no module named", "not found", "killed")):
             return line[-300:]
@@ -107,7 +107,9 @@ class Server:
         code = self.proc.poll() if self.proc else None
         if code is None:
             return None
-        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        if code < 0:  # killed from outside: its log does not say why
+            return f"server {self.spec.name} (pid {self.proc.pid}) was killed by signal {-code}"
+        how = f"exited with code {code}"
         why = cause(self.spec.log_path)
         if any(w in why.lower() for w in _PORT_WORDS):
             return f"server {self.spec.name} {how}: port {self.spec.port} on {HOST} is in use ({why})"

@@ -17,7 +17,7 @@ NEW_TOKENS = 32
 
 pytestmark = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
                                 reason=f"vLLM's environment is absent ({VLLM_PYTHON}); create it with "
-                                       "scripts/vllm-env.sh")
+                                       "scripts/vllm-env.sh --nixl")
 
 
 UNIFIED = {"unified": {"devices": ["cpu:0"]}}

@@ -44,6 +44,13 @@ LENGTH_KINDS = ("fixed", "uniform", "dataset", "mixture")
 ATTENTION_KERNELS = ("sdpa", "flash-attn", "sdpa-expanded")
 FLASH_PAGE_MULTIPLE = 256
 # dtype aliases a recipe or the CLI may use -> the torch dtype name ("auto": the checkpoint's own)
+# engine backends: pdlab's own engine, or an external server pdlab starts (pdlab.external)
+ENGINE_BACKENDS = ("pdlab", "vllm")
+EXTERNAL_BACKENDS = ("vllm",)
+VLLM_PYTHON = ".venv-vllm/bin/python"  # scripts/vllm-env.sh creates it; relative paths are from the cwd
+VLLM_KV_CACHE_GB = 2.0  # VLLM_CPU_KVCACHE_SPACE per CPU server (GiB)
+SERVED_MODEL_NAME = "pdlab"  # the name pdlab's client asks an external server for
+MODEL_CACHE_DIR = "runs/models"  # presets saved with save_pretrained for external servers
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "auto": "auto"}
 
@@ -55,6 +62,7 @@ HEARTBEAT_TIMEOUT_S = 5.0  # no heartbeat for this long: the worker is dead or s
 READY_TIMEOUT_S = 120.0  # workers load their model within this
 STOP_TIMEOUT_S = 10.0  # stop(): Stop message, then SIGTERM, then SIGKILL within this
 REAP_TIMEOUT_S = 120.0  # stop(): then wait this long more for SIGKILLed workers to be gone (reaped)
+SERVER_READY_TIMEOUT_S = 300.0  # an external server (vLLM: 60-75 s on a 2-core box) is healthy within this
 STALL_TIMEOUT_S = 300.0  # a run with no event at all for this long is stuck
 
 

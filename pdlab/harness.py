@@ -58,10 +58,12 @@ class Alone:
 
 def check_machine(recipe: Recipe) -> None:
     """Every variant's devices exist on this machine, checked before any process starts (raises ClusterError)."""
+    from pdlab.external import check_variant
     from pdlab.serve.topology import place
 
     for v in recipe.variants.values():
         place(v.deployment)
+        check_variant(v)
 
 
 def worker_cores(recipe: Recipe) -> set[int]:
@@ -110,11 +112,19 @@ class Harness:
         for variant in self.recipe.variant_names:
             self.run_variant(variant)
 
+    def cluster(self, v: Variant, deployment: Deployment, label: str) -> Any:
+        """The workers of `deployment` for variant `v`: pdlab's own, or external servers (engine.backend)."""
+        if v.backend.external:
+            from pdlab.external.cluster import ExternalCluster
+
+            return ExternalCluster(v, deployment, label=label, log_dir=self.rd.file("servers"))
+        from pdlab.serve.cluster import Cluster
+
+        return Cluster(v.model, v.engine, deployment, seed=v.seed)
+
     # ---- calibration: one request alone ----
     def calibrate(self) -> Alone:
         """Time a few requests one at a time on one unified worker on the first variant's first devices."""
-        from pdlab.serve.cluster import Cluster
-
         v = self.recipe.resolved(self.recipe.variant_names[0])
         first = v.deployment.workers[0]
         dep = Deployment.from_raw({"unified": {"devices": list(first.devices), "tp": first.tp},
@@ -123,7 +133,7 @@ class Harness:
         reqs = build_requests(v.workload, math.inf, v.seed, wl.vocab, wl.tokenizer, wl.dataset,
                               n=ALONE_REQUESTS + 1, stream="alone")
         self.view.status("measuring one request alone (calibration)")
-        with Cluster(v.model, v.engine, dep, seed=v.seed) as cluster:
+        with self.cluster(v, dep, "calibration") as cluster:
             cluster.start()
             self.alone = self._alone(cluster, reqs, ",".join(first.devices))
         itl = self.alone.itl_ms
@@ -153,14 +163,12 @@ class Harness:
 
     # ---- variants ----
     def run_variant(self, variant: str) -> None:
-        from pdlab.serve.cluster import Cluster
-
         v = self.recipe.resolved(variant)
         n = len(v.deployment.workers)
         self.view.status(f"{variant}: starting {n} worker{'s' if n != 1 else ''}")
         if v.model.modelled:
             self.view.note(f"{variant}: {v.model.timing.describe()}: its times are the model's, not this machine's")
-        with Cluster(v.model, v.engine, v.deployment, seed=v.seed) as cluster:
+        with self.cluster(v, v.deployment, variant) as cluster:
             cluster.start()
             for w in cluster.workers:
                 self.view.update_worker(w.name, role=w.role, devices=",".join(w.devices))

@@ -16,6 +16,7 @@ import numpy as np
 
 from pdlab.constants import MISS_KINDS, STATS
 from pdlab.measure.attribution import PARTS, attribute_gaps, interference_summary, ttft_parts
+from pdlab.measure.client_attribution import attribute_gaps_client, client_interference_summary
 from pdlab.measure.slo import SLO, miss_kind, request_slo
 
 
@@ -140,6 +141,8 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
         "e2el_ms": stats((r["e2el"] for r in good), 1000.0),
         "ttft_parts_ms": {p: stats((x[p] for x in parts), 1000.0) for p in PARTS},
         "interference": interference_summary(gaps, good),
+        # from token times only (pdlab.measure.client_attribution): what an engine without steps gets
+        "interference_client": client_interference_summary(attribute_gaps_client(good, slo.itl_ms), good),
         "transfers": {"count": len(transfers), "bytes": sum(int(x.get("bytes") or 0) for x in transfers),
                       "saved_bytes": sum(int(x.get("saved_bytes") or 0) for x in transfers),
                       "ms": stats(xfer_ms, 1000.0)},

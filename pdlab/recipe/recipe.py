@@ -23,6 +23,7 @@ import yaml
 from pdlab.engine.config import EngineConfig
 from pdlab.fields import (RecipeError, Section, check_keys, did_you_mean, key_of, plain, section, spec, to_bool,
                           to_float, to_int, to_text)
+from pdlab.recipe.backend import EngineBackend, check_external
 from pdlab.recipe.deployment import DISAGG_ONLY, Deployment
 from pdlab.recipe.model import ModelSpec
 from pdlab.recipe.slo import DEFAULT_ITL_MS, DEFAULT_TTFT_MS, SLO
@@ -153,6 +154,7 @@ class Variant:
     repeats: int
     slo: SLO
     deployment: Deployment
+    backend: EngineBackend = EngineBackend()  # pdlab's engine, or an external server (pdlab.external)
 
     @property
     def auto(self) -> bool:
@@ -200,7 +202,8 @@ class Recipe:
         out["variants"] = {}
         for name, v in self.variants.items():
             entry = {"description": v.description} if v.description != self.shared.description else {}
-            entry.update(engine=v.engine.to_raw(), model=v.model.to_raw(), deployment=v.deployment.to_raw())
+            engine = v.engine.to_raw() | (v.backend.to_raw() if v.backend.external else {})
+            entry.update(engine=engine, model=v.model.to_raw(), deployment=v.deployment.to_raw())
             out["variants"][name] = entry
         return out
 
@@ -219,15 +222,17 @@ def _resolve(raw: dict, shared: Shared, over: dict, name: str, recipe: str) -> V
     if not dep:
         raise RecipeError(f"{where}.deployment: missing; expected e.g. {{unified: {{devices: [cpu:0]}}}} "
                           "or {prefill: {devices: [cpu:0]}, decode: {devices: [cpu:1]}}")
+    backend, engine = EngineBackend.split(engine, f"{where}.engine")
     engine_cfg = EngineConfig.from_raw(engine, f"{where}.engine")
     model_spec = ModelSpec.from_raw(model or None, f"{where}.model")
     deployment = Deployment.from_raw(dep, f"{where}.deployment")
     if model_spec.dtype is None:
         model_spec = model_spec.replace(dtype="bfloat16" if deployment.device_kind == "cuda" else "float32")
+    check_external(backend, model_spec, deployment, where)
     return Variant(recipe=recipe, name=name, description=str(over.get("description", shared.description)),
                    seed=shared.seed, warmup=shared.warmup, model=model_spec, engine=engine_cfg,
                    workload=shared.workload, rates=shared.rates, search=shared.search, repeats=shared.repeats,
-                   slo=shared.slo, deployment=deployment)
+                   slo=shared.slo, deployment=deployment, backend=backend)
 
 
 def parse_recipe(raw: Any, name: str = "recipe", sets: Optional[list[str]] = None,

@@ -31,6 +31,13 @@ from pdlab.workload import rate_tag
 WIDTH = 100
 
 
+def _interference(x: dict) -> dict:
+    """The engine-side attribution; the client-side one for an engine without step records (vLLM)."""
+    if not x.get("steps") and x.get("interference_client"):
+        return x["interference_client"]
+    return x["interference"]
+
+
 def describe_deployment(dep: Optional[dict]) -> str:
     """`unified 2x[cpu:0|cpu:1]` or `1P[cpu:0] + 1D[cpu:1] shm push`, from recipe.yaml's deployment."""
     if not dep:
@@ -93,12 +100,16 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
         s = _summary(run)
         for v, vs in s["variants"].items():
             dep = ((run.recipe.get("variants") or {}).get(v) or {}).get("deployment")
+            backend = (((run.recipe.get("variants") or {}).get(v) or {}).get("engine") or {}).get("backend")
+            if backend not in (None, "pdlab") and (dep or {}).get("transport"):
+                dep = dict(dep, transport="nixl")  # an external engine's own connector (docs/external.md)
             finite = [x for t, x in vs["rates"].items() if t != "inf"]
             misses = {k: sum(x["misses"][k] for x in finite) for k in MISS_KINDS}
             g = vs["goodput"]
             rows.append({
                 "label": v if len(runs) == 1 else f"{run.name}/{v}", "run": run.path, "variant": v,
-                "config": describe_deployment(dep), "kind": (dep or {}).get("kind", "?"),
+                "config": describe_deployment(dep) + (f" on {backend}" if backend not in (None, "pdlab") else ""),
+                "kind": (dep or {}).get("kind", "?"),
                 "ran": bool(vs.get("ran", True)), "partial": bool(s.get("partial")), "slo": s.get("slo"),
                 "goodput": g, "goodput_tpot": vs["goodput_tpot"], "devices": count_devices(dep),
                 "saturation_tok_s": (vs.get("saturation") or {}).get("output_tok_s"),
@@ -108,7 +119,7 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
                 "misses": misses, "sent": sum(x["sent"] for x in finite),
                 "prefill_routes": _sum_counts(x.get("prefill_routes") or {} for x in finite),
                 "itl_misses": misses["itl_only"] + misses["both"], "ttft_misses": misses["ttft_only"] + misses["both"],
-                "prefill_interruptions": sum(x["interference"]["prefill_interruptions"] for x in finite),
+                "prefill_interruptions": sum(_interference(x)["prefill_interruptions"] for x in finite),
                 "mdl1": [m for m in ((vs.get("mdl1") or {}).get("repeats") or [])],
                 "_vs": vs,
             })

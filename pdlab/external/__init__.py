@@ -1,0 +1,21 @@
+"""External engines: a variant with `engine.backend: vllm` runs on vLLM servers that pdlab starts, stamps
+and stops (docs/external.md). `ExternalCluster` plays the Cluster's part for the harness."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pdlab.serve.topology import ClusterError
+
+
+def check_variant(v: Any) -> None:
+    """What can be checked before anything starts: the external engine's interpreter exists (ClusterError)."""
+    if not v.backend.external:
+        return
+    exe = v.backend.interpreter
+    if not os.path.isfile(exe):
+        raise ClusterError(f"variant {v.name}: engine.python {exe} does not exist; create vLLM's environment "
+                           "with scripts/vllm-env.sh, or point engine.python at its python")
+    if not os.access(exe, os.X_OK):
+        raise ClusterError(f"variant {v.name}: engine.python {exe} is not executable")

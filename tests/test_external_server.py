@@ -1,0 +1,62 @@
+"""One external server and its client, against the fake server: start, health, streamed tokens stamped at
+the client (several tokens in one chunk share its time), stop with the whole process group gone."""
+
+import os
+import socket
+import sys
+
+import pytest
+
+from pdlab.external.server import HOST, Server, ServerError, ServerSpec, free_port
+from pdlab.external.stream import completion_body, stream_completion
+from test_run_faults import alive
+
+FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fake_vllm.py")
+
+
+def spec(tmp_path, port, *extra):
+    return ServerSpec("unified0", "unified", (sys.executable, FAKE, "--port", str(port), *extra),
+                      (("FAKE_VLLM_PIDS", str(tmp_path / "pids")),), port, str(tmp_path / "server.log"))
+
+
+@pytest.fixture
+def server(request, tmp_path):
+    s = Server(spec(tmp_path, free_port(), *getattr(request, "param", ())))
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.mark.parametrize("server", [("--fake-chunk", "3", "--fake-child")], indirect=True)
+def test_tokens_of_one_chunk_share_the_chunk_time(server, tmp_path):
+    import time
+
+    server.wait_ready(time.monotonic() + 30)
+    got = []
+    final = stream_completion(server.spec.port, completion_body([1, 2, 3], 7, stream=True),
+                              lambda ids, t: got.append((ids, t)), timeout=30)
+    assert [len(ids) for ids, _ in got] == [3, 3, 1]  # chunks as the server sent them
+    assert [t for _, t in got] == sorted(t for _, t in got)
+    assert final["usage"]["completion_tokens"] == 7 and final["finish_reason"] == "length"
+    pids = [int(x) for x in open(tmp_path / "pids").read().split()]
+    server.stop()
+    assert not [p for p in pids if alive(p)], "the server's child outlived stop()"
+
+
+def test_a_port_in_use_is_refused_before_starting(tmp_path):
+    with socket.socket() as held:
+        held.bind((HOST, 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ServerError, match=f"port {port} on {HOST} is in use"):
+            Server(spec(tmp_path, port)).start()
+    assert not os.path.exists(tmp_path / "pids")
+
+
+def test_stop_is_idempotent_and_safe_before_start(tmp_path):
+    s = Server(spec(tmp_path, free_port()))
+    s.stop()
+    s.start()
+    s.stop()
+    s.stop()
+    assert s.proc.returncode is not None

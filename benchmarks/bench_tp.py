@@ -33,7 +33,7 @@ def spec(preset: str, dtype: str, tp: int):
 
     return WorkerSpec("bench", "unified", tuple(f"cpu:{i}" for i in range(tp)), "ipc:///dev/null",
                       ModelSpec.from_raw({"preset": preset, "dtype": dtype}, "model"),
-                      EngineConfig(block_size=16, kv_blocks=512, token_budget=4096, max_running=64,
+                      EngineConfig(block_size=16, kv_blocks=2048, token_budget=4096, max_running=64,
                                    prefix_caching=False),
                       0, None, "pull", "bench-", "decode", (), 30.0, tp=tp)
 
@@ -62,7 +62,7 @@ def measure(engine, prompt_len: int, batch: int, ctx: int, reps: int, vocab: int
         t = time.perf_counter()
         step = engine.step()
         dt = time.perf_counter() - t
-        assert step.record.decode_seqs == batch and step.record.prefill_tokens == 0
+        assert step.record.decode_seqs == batch and step.record.prefill_tokens == 0, step.record
         out["decode_s"].append(dt)
         out["comm_share"].append((COMM["seconds"] - c0) / dt)
         tokens += [x.token_id for x in step.tokens]

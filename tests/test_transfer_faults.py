@@ -1,7 +1,8 @@
 """A KV hand-over that fails never hangs a request and never leaks a block, under either failure policy.
 
 Faults are injected where every transport's hand-over ends (pdlab.kv.faults: the decode worker's landing
-notice), here every second hand-over a decode worker receives, with the shm transport, pull and push:
+notice), here every second hand-over a decode worker receives, with the shm transport (and nixl where it is
+installed), pull and push:
 - `drop`: the notice never comes; the decode reservation's lease runs out after transfer_timeout_s;
 - `delay`: it comes after the lease ran out, and is ignored;
 - `corrupt`: it names blocks other than those reserved, and is refused before anything is read.
@@ -19,6 +20,7 @@ from pdlab.constants import KV_FAULT_ENV
 from pdlab.engine.config import EngineConfig
 from pdlab.kv.faults import FaultInjector, FaultSpec, Landing
 from pdlab.recipe import Deployment, ModelSpec
+from pdlab.recipe.nixl import nixl_module
 from pdlab.serve.cluster import Cluster, RequestDone, TokenEvent
 
 ENGINE = {"block_size": 8, "kv_blocks": 48, "token_budget": 256, "max_running": 16}
@@ -37,9 +39,10 @@ def reference():
     return out
 
 
-def _cluster(mode: str, policy: str, first_token: str = "decode") -> Cluster:
+def _cluster(mode: str, policy: str, first_token: str = "decode", transport: str = "shm") -> Cluster:
     dep = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": mode,
-           "first_token": first_token, "transfer_timeout_s": TIMEOUT_S, "on_transfer_failure": policy}
+           "first_token": first_token, "transfer_timeout_s": TIMEOUT_S, "on_transfer_failure": policy,
+           "transport": transport}
     return Cluster(ModelSpec.from_raw({"preset": "tiny-llama"}, "model"), EngineConfig.from_raw(ENGINE, "engine"),
                    Deployment.from_raw(dep, "deployment"))
 
@@ -72,14 +75,22 @@ CASES = [
     pytest.param("corrupt", "pull", "fail", "bad hand-over notice", id="corrupt-pull-fail"),
     pytest.param("corrupt", "push", "recompute", "", id="corrupt-push-recompute"),
 ]
+NIXL = pytest.mark.skipif(nixl_module() is None, reason="NIXL not installed: pip install -e '.[nixl]'")
+CASES = [pytest.param(*c.values, "shm", id=f"{c.id}-shm") for c in CASES] + [
+    pytest.param("drop", "pull", "fail", "lease ran out", "nixl", id="drop-pull-fail-nixl", marks=NIXL),
+    pytest.param("drop", "push", "recompute", "", "nixl", id="drop-push-recompute-nixl", marks=NIXL),
+    pytest.param("delay", "pull", "recompute", "", "nixl", id="delay-pull-recompute-nixl", marks=NIXL),
+    pytest.param("corrupt", "push", "fail", "bad hand-over notice", "nixl", id="corrupt-push-fail-nixl", marks=NIXL),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("fault,mode,policy,reason", CASES)
-def test_failed_hand_overs_follow_the_policy(fault, mode, policy, reason, reference, monkeypatch):
+@pytest.mark.parametrize("fault,mode,policy,reason,transport", CASES)
+def test_failed_hand_overs_follow_the_policy(fault, mode, policy, reason, transport, reference, monkeypatch):
     monkeypatch.setenv(KV_FAULT_ENV, f"{fault}:2")  # every second hand-over the decode worker receives
     # recompute with first_token from prefill: the first token, already delivered, is not sent twice
-    c = _cluster(mode, policy, first_token="prefill" if policy == "recompute" and mode == "pull" else "decode")
+    c = _cluster(mode, policy, first_token="prefill" if policy == "recompute" and mode == "pull" else "decode",
+                 transport=transport)
     try:
         c.start()
         for rid, p in PROMPTS.items():

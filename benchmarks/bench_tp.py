@@ -29,13 +29,14 @@ import torch
 def spec(preset: str, dtype: str, tp: int):
     from pdlab.engine.config import EngineConfig
     from pdlab.recipe import ModelSpec
+    from pdlab.kv import shm
     from pdlab.serve.worker import WorkerSpec
 
     return WorkerSpec("bench", "unified", tuple(f"cpu:{i}" for i in range(tp)), "ipc:///dev/null",
                       ModelSpec.from_raw({"preset": preset, "dtype": dtype}, "model"),
                       EngineConfig(block_size=16, kv_blocks=2048, token_budget=4096, max_running=64,
                                    prefix_caching=False),
-                      0, None, "pull", "bench-", "decode", (), 30.0, tp=tp)
+                      0, None, "pull", shm.new_name("bench-tp") + "-", "decode", (), 30.0, tp=tp)
 
 
 def measure(engine, prompt_len: int, batch: int, ctx: int, reps: int, vocab: int) -> dict:

@@ -61,7 +61,7 @@ def _keep_out(linear: torch.nn.Linear, part: slice) -> None:
     linear.out_features = linear.weight.shape[0]
 
 
-def _keep_in(linear: torch.nn.Linear, part: slice, rank: int, group: Any) -> None:
+def _keep_in(linear: torch.nn.Linear, part: slice, rank: int, group: Any, fast: Any = None) -> None:
     """Keep input features `part` (row parallel) and sum the ranks' outputs; the bias is added once."""
     import torch.distributed as dist
 
@@ -72,7 +72,8 @@ def _keep_in(linear: torch.nn.Linear, part: slice, rank: int, group: Any) -> Non
 
     def reduce(_mod: Any, _inp: Any, out: torch.Tensor) -> torch.Tensor:
         t = time.perf_counter()
-        dist.all_reduce(out, group=group)
+        if fast is None or not fast(out):  # fast: a same-host shared-memory all-reduce (CPU), else the group's
+            dist.all_reduce(out, group=group)
         COMM["seconds"] += time.perf_counter() - t
         COMM["calls"] += 1
         return out
@@ -80,8 +81,9 @@ def _keep_in(linear: torch.nn.Linear, part: slice, rank: int, group: Any) -> Non
     linear.register_forward_hook(reduce)
 
 
-def shard_model(model: Any, rank: int, world: int, group: Any = None) -> Any:
-    """Slice `model`'s decoder layers in place for `rank` of `world` (see the module docstring)."""
+def shard_model(model: Any, rank: int, world: int, group: Any = None, fast_reduce: Any = None) -> Any:
+    """Slice `model`'s decoder layers in place for `rank` of `world` (see the module docstring).
+    `fast_reduce(t) -> bool`: an in-place sum all-reduce to try first (pdlab.engine.shm_allreduce)."""
     cfg = model.config
     heads, kv_heads = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -103,10 +105,10 @@ def shard_model(model: Any, rank: int, world: int, group: Any = None) -> Any:
         _keep_out(att.q_proj, qcols)
         _keep_out(att.k_proj, kvcols)
         _keep_out(att.v_proj, kvcols)
-        _keep_in(att.o_proj, qcols, rank, group)
+        _keep_in(att.o_proj, qcols, rank, group, fast_reduce)
         _keep_out(mlp.gate_proj, mcols)
         _keep_out(mlp.up_proj, mcols)
-        _keep_in(mlp.down_proj, mcols, rank, group)
+        _keep_in(mlp.down_proj, mcols, rank, group, fast_reduce)
     model.pdlab_tp = {"rank": rank, "world": world, "kv_heads": kv.stop - kv.start}
     return model
 

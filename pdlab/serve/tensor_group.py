@@ -42,12 +42,28 @@ def _device(spec: Any, rank: int) -> str:
     return rank_device(spec.visible_gpus, rank)  # the launcher lists a worker's own GPUs first, in rank order
 
 
-def _load(spec: Any, rank: int, group: Any) -> Any:
+def _load(spec: Any, rank: int, group: Any, fast: Any = None) -> Any:
     from pdlab.engine import load_model
     from pdlab.engine.tensor_parallel import shard_model
 
     model = load_model(spec.model, device=_device(spec, rank), seed=spec.seed)  # same seed: the same weights
-    return shard_model(model, rank, spec.tp, group)
+    return shard_model(model, rank, spec.tp, group, fast)
+
+
+def _fast_reduce(spec: Any, rank: int, alive: Any) -> Any:
+    """CPU ranks of one host: the shared-memory all-reduce, sized for the largest step (token budget rows of
+    the hidden state in float32); None where it does not apply (CUDA: NCCL; not x86-64)."""
+    from pdlab.engine import shm_allreduce
+
+    if spec.visible_gpus or not shm_allreduce.available():
+        return None
+    from pdlab.engine.model import model_config
+
+    cfg = model_config(spec.model)
+    rows = max(spec.engine.token_budget, spec.engine.max_running)
+    return shm_allreduce.ShmAllReduce(f"{spec.run_prefix}{spec.name}-allreduce", rank, spec.tp,
+                                      rows * cfg.hidden_size * 4, create=rank == 0, alive=alive,
+                                      timeout_s=STEP_TIMEOUT_S)
 
 
 class TensorGroup:
@@ -58,10 +74,11 @@ class TensorGroup:
 
         self.spec = spec
         self.store_dir = tempfile.mkdtemp(prefix="pdlab-tp-")
+        self.procs: list = []
+        self.fast = _fast_reduce(spec, 0, lambda: all(p.poll() is None for p in self.procs))  # before the followers
         # subprocesses, not multiprocessing children: the worker is itself a daemonic multiprocessing child
         raw = json.dumps(WorkerSpec.to_raw(spec))
         cuda = bool(spec.visible_gpus)
-        self.procs = []
         for r in range(1, spec.tp):
             p = subprocess.Popen([sys.executable, "-m", "pdlab.serve.tensor_group", str(r), self.store_dir],
                                  stdin=subprocess.PIPE, text=True)
@@ -74,7 +91,7 @@ class TensorGroup:
         self.channel = StepChannel(control)
 
     def load(self) -> Any:
-        return _load(self.spec, 0, self.group)
+        return _load(self.spec, 0, self.group, self.fast)
 
     def start(self, num_blocks: int) -> None:
         """Tell the followers the pool size rank 0's engine chose (they allocate the same block count) and
@@ -122,6 +139,8 @@ class TensorGroup:
         except Exception:  # noqa: BLE001
             pass
         shutil.rmtree(self.store_dir, ignore_errors=True)
+        if self.fast is not None:
+            self.fast.close()
 
 
 def shard_segment(spec: Any, rank: int) -> str:
@@ -153,7 +172,9 @@ def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
         torch.set_num_threads(1)
     group, control = _init(rank, spec.tp, store_dir, bool(spec.visible_gpus), STEP_TIMEOUT_S)
     channel = StepChannel(control)
-    model = _load(spec, rank, group)
+    parent = os.getppid()
+    fast = _fast_reduce(spec, rank, lambda: os.getppid() == parent)
+    model = _load(spec, rank, group, fast)
     dims = model_dims(model)
     op, payload = channel.recv()  # rank 0's engine chose the pool size
     if op != OP_STEP:

@@ -3,7 +3,6 @@ the part of its prompt that its decode worker does not hold in its prefix cache 
 others are prefilled by the decode worker. The router knows what a decode worker holds from the cache
 events it reports. Every route gives the very tokens a single engine gives."""
 
-import time
 
 import pytest
 
@@ -12,8 +11,9 @@ from pdlab.engine.blocks import BlockManager, prefix_keys
 from pdlab.engine.config import EngineConfig, SamplingParams
 from pdlab.engine.sequence import Sequence
 from pdlab.recipe import Deployment, ModelSpec
-from pdlab.serve.cluster import Cluster, RequestDone, TokenEvent
+from pdlab.serve.cluster import Cluster
 from pdlab.serve.mirror import PrefixMirror
+from test_cluster import _drain
 
 BS = 8
 ENGINE = {"block_size": BS, "kv_blocks": 64, "token_budget": 256, "max_running": 16, "prefix_caching": True}
@@ -69,15 +69,7 @@ def reference():
 def _serve(c, reqs):
     for rid, p in reqs.items():
         c.submit(rid, p, {"max_tokens": MAX_TOKENS, "ignore_eos": True})
-    done, tokens = {}, {rid: [] for rid in reqs}
-    deadline = time.monotonic() + 60
-    while set(reqs) - set(done):
-        assert time.monotonic() < deadline, f"not done: {set(reqs) - set(done)}"
-        for e in c.poll(0.2):
-            if isinstance(e, TokenEvent):
-                tokens[e.req_id].append(e)
-            elif isinstance(e, RequestDone):
-                done[e.req_id] = e
+    done, tokens, _ = _drain(c, list(reqs))
     return done, tokens
 
 

@@ -78,19 +78,40 @@ def _followers() -> list[int]:
     return out
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])  # qwen3: per-head q/k norms, replicated
-def test_tp2_matches_one_engine_and_transformers(preset):
-    # chunked prefill (budget 24 < the long prompts), prefix caching (round 2 shares a prefix), decode batches
+def _rounds() -> tuple[dict, dict]:
+    """Round 1 runs together (chunked: the budget of 24 is below the long prompts); round 2 shares a prefix
+    with nothing of round 1 but with itself, so the prefix cache serves part of it."""
     prefix = eh.prompts([32], seed=7)[0]
     round1 = {f"a{i}": p for i, p in enumerate(eh.prompts([5, 23, 40, 17], seed=1))}
     round2 = {f"b{i}": prefix + p for i, p in enumerate(eh.prompts([4, 13], seed=5))}
-    ref_engine = eh.engine(preset, **ENGINE)
-    want = {}
-    for rid, p in {**round1, **round2}.items():
-        got, _ = eh.run(ref_engine, [p], max_tokens=8)
-        want[rid] = got["0"]
-        ref_engine.abort("0")
+    return round1, round2
+
+
+def _one_engine(preset: str, reqs: dict) -> dict:
+    """Each request's greedy tokens from one unsharded in-process engine."""
+    ref = eh.engine(preset, **ENGINE)
+    return {rid: eh.run(ref, [p], max_tokens=8)[0]["0"] for rid, p in reqs.items()}
+
+
+def _serve_rounds(c, rounds: tuple[dict, ...], want: dict) -> list:
+    """Serve each round to the end, check every request's tokens; returns the transfer events."""
+    transfers = []
+    for rnd in rounds:
+        for rid, p in rnd.items():
+            c.submit(rid, p, {"max_tokens": 8, "ignore_eos": True})
+        done, _, other = _drain(c, list(rnd))
+        transfers += [e for e in other if type(e).__name__ == "TransferEvent"]
+        for rid, d in done.items():
+            assert d.ok, d.error
+            assert d.output_ids == want[rid], rid
+    return transfers
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])  # qwen3: per-head q/k norms, replicated
+def test_tp2_matches_one_engine_and_transformers(preset):
+    round1, round2 = _rounds()
+    want = _one_engine(preset, {**round1, **round2})
     for rid in ("a1", "b0"):  # and the unsharded engine is transformers' greedy
         assert want[rid] == eh.hf_greedy(eh.reference(preset), {**round1, **round2}[rid], 8)
     c = Cluster({"preset": preset}, ENGINE, TP2)
@@ -99,13 +120,7 @@ def test_tp2_matches_one_engine_and_transformers(preset):
         c.start()
         pids = [w.pid for w in c.workers]
         assert len(_followers()) == 1
-        for rnd in (round1, round2):
-            for rid, p in rnd.items():
-                c.submit(rid, p, {"max_tokens": 8, "ignore_eos": True})
-            done, tokens, _ = _drain(c, list(rnd))
-            for rid, d in done.items():
-                assert d.ok, d.error
-                assert d.output_ids == want[rid], rid
+        _serve_rounds(c, (round1, round2), want)
         stats = c.kv_stats()
     finally:
         c.stop()
@@ -125,27 +140,14 @@ HETERO = [pytest.param({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices":
 def test_disaggregated_tp_a_to_b_matches_one_engine(dep):
     """KV handed from P with TP a to D with TP b (heads re-sliced in the copy) gives one engine's tokens,
     with chunked prefill and the prefix cache on (round 2 reuses blocks the decode side holds)."""
-    prefix = eh.prompts([32], seed=7)[0]
-    round1 = {f"a{i}": p for i, p in enumerate(eh.prompts([5, 23, 40, 17], seed=1))}
-    round2 = {f"b{i}": prefix + p for i, p in enumerate(eh.prompts([4, 13], seed=5))}
-    ref = eh.engine("tiny-llama", **ENGINE)
-    want = {}
-    for rid, p in {**round1, **round2}.items():
-        want[rid] = eh.run(ref, [p], max_tokens=8)[0]["0"]
+    round1, round2 = _rounds()
+    want = _one_engine("tiny-llama", {**round1, **round2})
     c = Cluster({"preset": "tiny-llama"}, ENGINE, dep)
     pids = []
     try:
         c.start()
         pids = [w.pid for w in c.workers]
-        transfers = []
-        for rnd in (round1, round2):
-            for rid, p in rnd.items():
-                c.submit(rid, p, {"max_tokens": 8, "ignore_eos": True})
-            done, _, other = _drain(c, list(rnd))
-            transfers += [e for e in other if type(e).__name__ == "TransferEvent"]
-            for rid, d in done.items():
-                assert d.ok, d.error
-                assert d.output_ids == want[rid], rid
+        transfers = _serve_rounds(c, (round1, round2), want)
         stats = c.kv_stats()
     finally:
         c.stop()

@@ -21,7 +21,8 @@ from pdlab.engine.config import EngineConfig
 from pdlab.kv.faults import FaultInjector, FaultSpec, Landing
 from pdlab.recipe import Deployment, ModelSpec
 from pdlab.recipe.nixl import nixl_module
-from pdlab.serve.cluster import Cluster, RequestDone, TokenEvent
+from pdlab.serve.cluster import Cluster
+from test_cluster import _drain
 
 ENGINE = {"block_size": 8, "kv_blocks": 48, "token_budget": 256, "max_running": 16}
 PROMPTS = {f"f{i}": eh.prompts([12 + 7 * i], seed=20 + i)[0] for i in range(4)}
@@ -47,16 +48,8 @@ def _cluster(mode: str, policy: str, first_token: str = "decode", transport: str
                    Deployment.from_raw(dep, "deployment"))
 
 
-def _serve(c: Cluster, ids: list[str], timeout: float = 60) -> tuple[dict, dict]:
-    done, tokens = {}, {i: [] for i in ids}
-    deadline = time.monotonic() + timeout
-    while set(ids) - set(done):
-        assert time.monotonic() < deadline, f"requests hang: {set(ids) - set(done)}"
-        for e in c.poll(0.2):
-            if isinstance(e, TokenEvent):
-                tokens[e.req_id].append(e)
-            elif isinstance(e, RequestDone):
-                done[e.req_id] = e
+def _serve(c: Cluster, ids: list[str]) -> tuple[dict, dict]:
+    done, tokens, _ = _drain(c, ids)  # fails the test if a request hangs
     return done, tokens
 
 

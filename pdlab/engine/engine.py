@@ -17,6 +17,7 @@ from pdlab.engine.runner import ModelRunner
 from pdlab.engine.sampler import make_generator, sample
 from pdlab.engine.scheduler import Scheduler
 from pdlab.engine.sequence import Sequence, Status
+from pdlab.engine.tensor_parallel import OP_STEP, describe_step
 from pdlab.engine.timed import StepTimeModel, TimedRunner
 
 CPU_AUTO_KV_BYTES = 1 << 30  # "auto" on CPU: at most 1 GiB of pool per worker
@@ -228,8 +229,6 @@ class Engine:
             forward_s = self.runner.run(trio, start) - t0  # the modelled forward: the wait
         else:
             if self.tp_channel is not None:
-                from pdlab.engine.tensor_parallel import OP_STEP, describe_step
-
                 self.tp_channel.send(OP_STEP, describe_step(batch.seqs, batch.num_tokens, batch.decode,
                                                             self.config.block_size))
             ids, pos, ctx, rows = self.runner.prepare(batch.seqs, batch.num_tokens, batch.decode)

@@ -25,15 +25,15 @@ from typing import Any
 from pdlab.constants import STEP_TIMEOUT_S, STOP_TIMEOUT_S
 
 
-def _init(rank: int, world: int, store_dir: str, cuda: bool, timeout_s: float) -> tuple[Any, Any]:
-    """Join the group: (model group, control group)."""
+def _init(rank: int, world: int, store_dir: str, cuda: bool, timeout_s: float) -> Any:
+    """Join the group (the default process group carries the model's all-reduces); returns the control
+    group for the step broadcast (None on CPU: the default group, gloo, serves)."""
     import torch.distributed as dist
 
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group("nccl" if cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout)
-    control = dist.new_group(backend="gloo", timeout=timeout) if cuda else None
-    return None, control
+    return dist.new_group(backend="gloo", timeout=timeout) if cuda else None
 
 
 def _device(spec: Any, rank: int) -> str:
@@ -42,12 +42,12 @@ def _device(spec: Any, rank: int) -> str:
     return rank_device(spec.visible_gpus, rank)  # the launcher lists a worker's own GPUs first, in rank order
 
 
-def _load(spec: Any, rank: int, group: Any, fast: Any = None) -> Any:
+def _load(spec: Any, rank: int, fast: Any = None) -> Any:
     from pdlab.engine import load_model
     from pdlab.engine.tensor_parallel import shard_model
 
     model = load_model(spec.model, device=_device(spec, rank), seed=spec.seed)  # same seed: the same weights
-    return shard_model(model, rank, spec.tp, group, fast)
+    return shard_model(model, rank, spec.tp, fast_reduce=fast)
 
 
 def _fast_reduce(spec: Any, rank: int, alive: Any) -> Any:
@@ -85,13 +85,13 @@ class TensorGroup:
             p.stdin.write(raw)
             p.stdin.close()
             self.procs.append(p)
-        self.group, control = _init(0, spec.tp, self.store_dir, cuda, STEP_TIMEOUT_S)
+        control = _init(0, spec.tp, self.store_dir, cuda, STEP_TIMEOUT_S)
         from pdlab.engine.tensor_parallel import StepChannel
 
         self.channel = StepChannel(control)
 
     def load(self) -> Any:
-        return _load(self.spec, 0, self.group, self.fast)
+        return _load(self.spec, 0, self.fast)
 
     def start(self, num_blocks: int) -> None:
         """Tell the followers the pool size rank 0's engine chose (they allocate the same block count) and
@@ -170,11 +170,11 @@ def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
 
     if not spec.visible_gpus:
         torch.set_num_threads(1)
-    group, control = _init(rank, spec.tp, store_dir, bool(spec.visible_gpus), STEP_TIMEOUT_S)
+    control = _init(rank, spec.tp, store_dir, bool(spec.visible_gpus), STEP_TIMEOUT_S)
     channel = StepChannel(control)
     parent = os.getppid()
     fast = _fast_reduce(spec, rank, lambda: os.getppid() == parent)
-    model = _load(spec, rank, group, fast)
+    model = _load(spec, rank, fast)
     dims = model_dims(model)
     op, payload = channel.recv()  # rank 0's engine chose the pool size
     if op != OP_STEP:

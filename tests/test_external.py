@@ -142,8 +142,8 @@ def test_killing_a_server_mid_run_ends_the_run_cleanly(tmp_path, fake_python):
     env = {**os.environ, "FAKE_VLLM_PIDS": str(pids_file), "PDLAB_MODEL_CACHE": str(tmp_path / "models")}
     cmd = [sys.executable, "-m", "pdlab.cli", "run", TINY, "--out", str(out), "--variants", "unified",
            "--set", "engine.backend=vllm", "--set", f"engine.python={fake_python}", "--set", "rates=[2]",
-           "--set", "workload.requests=20", "--set", "workload.output_len.value=40",
-           "--set", "engine.args=[--fake-token-s, '0.05', --fake-child]"]
+           "--set", "workload.requests=20", "--set", "workload.output_len.value=20",
+           "--set", "engine.args=[--fake-token-s, '0.03', --fake-child]"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_requests(str(out), proc)  # measuring on the variant's server (pids 3 and 4: it and its child)
@@ -164,8 +164,8 @@ def test_ctrl_c_stops_every_server(tmp_path, fake_python):
     env = {**os.environ, "FAKE_VLLM_PIDS": str(pids_file), "PDLAB_MODEL_CACHE": str(tmp_path / "models")}
     cmd = [sys.executable, "-m", "pdlab.cli", "run", TINY, "--out", str(out), "--variants", "disagg",
            "--set", "engine.backend=vllm", "--set", f"engine.python={fake_python}", "--set", "rates=[2]",
-           "--set", "workload.requests=20", "--set", "workload.output_len.value=40",
-           "--set", "engine.args=[--fake-token-s, '0.05', --fake-child]"]
+           "--set", "workload.requests=20", "--set", "workload.output_len.value=20",
+           "--set", "engine.args=[--fake-token-s, '0.03', --fake-child]"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         wait_for_requests(str(out), proc)

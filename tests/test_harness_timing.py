@@ -42,12 +42,27 @@ def double_run(tmp_path_factory):
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.load(open(os.path.join(out, "summary.json")))
     reqs = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl"))]
-    return summary, [x for x in reqs if not x.get("warmup")]
+    steps = [json.loads(x) for x in open(os.path.join(out, "steps.jsonl"))]
+    return summary, [x for x in reqs if not x.get("warmup")], steps
+
+
+def host_gap(steps: list[dict], rate: float) -> float:
+    """The worker's own time between back-to-back steps at `rate` (median, seconds), as steps.jsonl records
+    it: sending tokens, taking in requests, scheduling. A timed step waits out only the modelled time, so a
+    token gap is the modelled step plus this; the simulator models no host time. On a loaded 2-core box
+    it has been measured at 0.3-0.7 ms, 5-11% of the 6 ms decode step."""
+    by_worker: dict = {}
+    for s in steps:
+        if s["rate"] == rate:
+            by_worker.setdefault(s["worker"], []).append(s)
+    gaps = [b["start"] - a["end"] for ss in by_worker.values() for a, b in zip(ss, ss[1:])
+            if b["start"] - a["end"] < DECODE_S]  # back to back: the engine had work waiting
+    return float(np.median(gaps))
 
 
 @pytest.mark.slow
 def test_ttft_at_low_load_is_md1_and_itl_is_the_decode_step(double_run):
-    summary, reqs = double_run
+    summary, reqs, steps = double_run
     low = [r for r in reqs if r["rate"] == 2]
     lam, d = 2.0, PREFILL_S
     rho = lam * d
@@ -55,7 +70,15 @@ def test_ttft_at_low_load_is_md1_and_itl_is_the_decode_step(double_run):
     measured = float(np.mean([r["token_times"][0] - r["arrival"] for r in low]))
     assert abs(measured - predicted) / predicted < 0.10, (measured, predicted)
     gaps = [b - a for r in low for a, b in zip(r["token_times"], r["token_times"][1:])]
-    assert abs(float(np.median(gaps)) - DECODE_S) / DECODE_S < 0.10, (np.median(gaps), DECODE_S)
+    host = host_gap(steps, 2)
+    assert host < 0.25 * DECODE_S, host  # the worker's own overhead stays small against the step
+    decode_steps = [s["end"] - s["start"] for s in steps if s["rate"] == 2 and s["decode_seqs"] == 1
+                    and s["prefill_tokens"] == 0]
+    step = float(np.median(decode_steps))  # the modelled 6 ms and the sleep's overshoot
+    assert abs(step - DECODE_S) / DECODE_S < 0.10, step
+    # a token gap is the decode step and the host time between steps, nothing the harness adds
+    want = step + host
+    assert abs(float(np.median(gaps)) - want) / want < 0.05, (np.median(gaps), DECODE_S, host)
     # the run's own check agrees: the calibration measured the prefill, the M/D/1 line is not flagged
     alone = summary["alone"]["ttft_ms"] / 1000
     assert abs(alone - PREFILL_S) / PREFILL_S < 0.10, alone
@@ -66,7 +89,7 @@ def test_ttft_at_low_load_is_md1_and_itl_is_the_decode_step(double_run):
 @pytest.mark.slow
 def test_attainment_recomputed_from_raw_token_times(double_run):
     """Independently of pdlab's metric code, and with an SLO at which the ITL definitions disagree."""
-    summary, reqs = double_run
+    summary, reqs, _ = double_run
     slo = RECIPE["slo"]
     for rate in (2, 8):
         rs = [r for r in reqs if r["rate"] == rate]
@@ -91,12 +114,14 @@ def test_attainment_recomputed_from_raw_token_times(double_run):
 @pytest.mark.slow
 def test_the_simulator_agrees_with_the_timed_run(double_run):
     """The same recipe and seeded workload in virtual time: mean TTFT and median ITL per rate within 10% of
-    what the worker processes measured (the run has a router hop and OS scheduling the simulator does not)."""
+    what the worker processes measured (the run has a router hop and OS scheduling the simulator does not).
+    The simulator models no host time between steps; the run measures its own (host_gap), and the simulated
+    ITL is compared with that added, so that a slow box does not count as the simulator's error."""
     from pdlab.recipe import parse_recipe
     from pdlab.sim.experiment import simulate_recipe
     from pdlab.workload import build_workload
 
-    summary, reqs = double_run
+    summary, reqs, steps = double_run
     r = parse_recipe(RECIPE)
     sim = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
     for rate in (2, 8):
@@ -104,7 +129,8 @@ def test_the_simulator_agrees_with_the_timed_run(double_run):
         virt = [x for x in sim.requests if x["rate"] == rate]
         assert [x["output_ids"] for x in sorted(real, key=lambda x: x["id"])] == \
             [x["output_ids"] for x in sorted(virt, key=lambda x: x["id"])]
-        for f in (lambda xs: np.mean([x["ttft"] for x in xs]),
-                  lambda xs: np.median([g for x in xs for g in x["itl"]])):
-            a, b = f(real), f(virt)
-            assert abs(a - b) / b < 0.10, (rate, a, b)
+        host = host_gap(steps, rate)
+        for f, extra in ((lambda xs: np.mean([x["ttft"] for x in xs]), 0.0),
+                         (lambda xs: np.median([g for x in xs for g in x["itl"]]), host)):
+            a, b = f(real), f(virt) + extra
+            assert abs(a - b) / b < 0.10, (rate, a, b, host)

@@ -127,7 +127,7 @@ def test_failed_hand_overs_in_a_run_are_failed_misses_or_recomputed(tmp_path):
     `fail` those requests are written failed, with the reason, and counted as failed misses; under
     `recompute` every request is served, token for token as unified, and says it was recomputed."""
     out = str(tmp_path / "faults")
-    dep = "{prefill: {devices: [cpu:0]}, decode: {devices: [cpu:1]}, transfer_timeout_s: 2, on_transfer_failure: %s}"
+    dep = "{prefill: {devices: [cpu:0]}, decode: {devices: [cpu:1]}, transfer_timeout_s: 1, on_transfer_failure: %s}"
     r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", TINY, "--out", out, "--set", "rates=[20]",
                         "--set", f"variants.disagg.deployment={dep % 'fail'}",
                         "--set", f"variants.recompute.deployment={dep % 'recompute'}"],

@@ -1,6 +1,6 @@
 """Tensor parallelism inside a worker (issue 9, item 1): a unified worker on `cpu:0-1` with `tp: 2` runs one
 rank per core, each with half the heads, half the MLP and its half of the KV pool, and gives the tokens of
-one unsharded engine (and of transformers' generate); a worker never computes silently on the first of
+one unsharded engine (and of transformers' generate), for a preset and for a saved model directory; a worker never computes silently on the first of
 several devices; killing one rank ends the run like any worker death, with nothing left behind."""
 
 import os
@@ -108,13 +108,20 @@ def _serve_rounds(c, rounds: tuple[dict, ...], want: dict) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])  # qwen3: per-head q/k norms, replicated
-def test_tp2_matches_one_engine_and_transformers(preset):
+# qwen3: per-head q/k norms, replicated; saved: tiny-llama's weights written by save_pretrained and loaded
+# from that directory by every rank (tiny-llama as a preset is the TP side of the a->b tests below)
+@pytest.mark.parametrize("model", ["tiny-qwen3", "saved"])
+def test_tp2_matches_one_engine_and_transformers(model, tmp_path):
+    preset = "tiny-llama" if model == "saved" else model
+    spec = {"preset": preset}
+    if model == "saved":
+        eh.reference(preset).save_pretrained(tmp_path)
+        spec = {"path": str(tmp_path)}
     round1, round2 = _rounds()
     want = _one_engine(preset, {**round1, **round2})
     for rid in ("a1", "b0"):  # and the unsharded engine is transformers' greedy
         assert want[rid] == eh.hf_greedy(eh.reference(preset), {**round1, **round2}[rid], 8)
-    c = Cluster({"preset": preset}, ENGINE, TP2)
+    c = Cluster(spec, ENGINE, TP2)
     pids = []
     try:
         c.start()

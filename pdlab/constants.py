@@ -34,6 +34,8 @@ REMOTE_PREFILL_MIN_TOKENS = 0  # route: prefill remotely from this many uncached
 # testing only: inject a fault into every (or every n-th) KV hand-over a decode worker receives, whatever the
 # transport; PDLAB_KV_FAULT=drop|delay|corrupt[:n] (pdlab.kv.faults)
 KV_FAULT_ENV = "PDLAB_KV_FAULT"
+# "0": a CPU engine leaves glibc malloc as it is (pdlab.engine.host_malloc)
+MALLOC_TUNE_ENV = "PDLAB_MALLOC_TUNE"
 KV_FAULT_KINDS = ("drop", "delay", "corrupt")
 STATS = ("mean", "p50", "p90", "p99", "max")  # latency statistics, and the per-request ITL statistic
 MISS_KINDS = ("ttft_only", "itl_only", "both", "failed")

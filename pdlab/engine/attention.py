@@ -4,7 +4,9 @@ The model runs on a packed batch of one: every scheduled token of every request 
 ([1, T]) with its own position id. transformers computes q/k/v and rotary embeddings per token as usual
 and then calls `paged_attention` once per layer. There we write the new K/V into the paged pool and
 attend each request to its own context:
-- decode requests (one query token) in one padded SDPA call over K/V gathered from their blocks;
+- decode requests (one query token) in one padded SDPA call over K/V gathered from their blocks, the query
+  heads that share a K/V head laid out as rows of one query (25-35% faster than `enable_gqa` on CPU, and
+  exact: with one query token no row masks another);
 - prefill chunks one SDPA call each: plain causal over the chunk's own K/V when the request has no
   earlier context (the common case), else over K/V gathered from its blocks with an offset causal mask.
 GQA uses SDPA's `enable_gqa`, so K/V heads are never repeated (CPU). On CUDA the runner picks a fused kernel
@@ -95,9 +97,13 @@ def paged_attention(
         flat = ctx.decode_blocks.view(-1)  # whole blocks, one row each: index_select on 2-D is ~5x faster
         kd = k_rows.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, n, D]
         vd = v_rows.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)
-        qd = q[ctx.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-        od = _sdpa(qd, kd, vd, expand, attn_mask=ctx.decode_mask, scale=scaling)
-        out[ctx.decode_rows] = od.squeeze(2)
+        if expand:
+            qd = q[ctx.decode_rows].unsqueeze(2)  # [B, H, 1, D]
+            od = _sdpa(qd, kd, vd, expand, attn_mask=ctx.decode_mask, scale=scaling)
+        else:  # one query token: a K/V head's query heads are rows of one query ([B, Hkv, G, D]), no GQA
+            qd = q[ctx.decode_rows].view(b, kv_heads, -1, head_dim)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling)
+        out[ctx.decode_rows] = od.reshape(b, -1, head_dim)
     if ctx.decode_views:
         _attend_in_place(q, out, k_blocks, v_blocks, ctx.decode_views, scaling)
     for seg in ctx.prefills:

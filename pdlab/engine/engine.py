@@ -12,6 +12,7 @@ import torch
 from pdlab.constants import ROLES, cdiv
 from pdlab.engine.blocks import BlockManager
 from pdlab.engine.config import EngineConfig, RequestError, SamplingParams
+from pdlab.engine.host_malloc import tune_malloc
 from pdlab.engine.model import model_dims
 from pdlab.engine.runner import ModelRunner
 from pdlab.engine.sampler import make_generator, sample
@@ -90,6 +91,8 @@ class Engine:
         self.dims = dims
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        if self.device.type == "cpu" and step_timing is None:
+            tune_malloc()  # activations stay on the heap between steps (pdlab.engine.host_malloc)
         self.max_model_len = config.max_model_len or dims["max_model_len"]
         self.eos_ids = set(dims["eos_token_ids"])
         num_blocks = config.kv_blocks if config.kv_blocks != "auto" else self._auto_blocks()

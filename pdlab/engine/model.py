@@ -96,6 +96,7 @@ def load_model(spec: Any, dtype: str = "float32", device: str = "cpu", seed: int
     import torch
 
     from pdlab.engine.attention import ATTN_NAME, register
+    from pdlab.engine.fused_norm import fuse_rms_norms
 
     if not isinstance(spec, str):
         # a recipe's model section may carry device/dtype: None ("the worker's default"): keep ours then
@@ -123,6 +124,7 @@ def load_model(spec: Any, dtype: str = "float32", device: str = "cpu", seed: int
     model = model.to(device).eval()
     model.requires_grad_(False)
     model.config._attn_implementation = ATTN_NAME
+    fuse_rms_norms(model)
     return model
 
 

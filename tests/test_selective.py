@@ -56,6 +56,30 @@ def test_mirror_counts_the_held_prefix_and_always_leaves_the_last_token():
     assert m.cached_tokens([5] + prompt[1:] + [1], BS) == 0  # another first block: another chain
 
 
+def test_the_local_prefill_goes_to_the_decode_worker_that_holds_the_prefix():
+    """Of two decode workers, the one whose prefix cache holds the prompt prefills it locally, though the
+    other has more room; one without room for the rest of the prompt is passed over."""
+    from pdlab.serve.router import Router, WorkerState
+
+    states = [WorkerState("prefill0", "prefill", ["cpu:0"]), WorkerState("decode0", "decode", ["cpu:1"]),
+              WorkerState("decode1", "decode", ["cpu:1"])]
+    for w in states:
+        w.block_size, w.kv_blocks = BS, 64
+    states[1].free_blocks, states[2].free_blocks = 20, 60  # decode1 has more room
+    states[1].cache.apply(prefix_keys(PREFIX, BS), [])  # decode0 holds the 40-token prefix
+    router = Router(None, states, mode="pull", first_token="decode", transfer_timeout_s=1, heartbeat_timeout_s=1,
+                    step_timeout_s=1, remote_prefill_min_tokens=MIN_TOKENS)
+    sent: list = []
+    router.send = lambda worker, msg: sent.append((worker, type(msg).__name__))
+    router.submit("cached", ROUND2["cached"], {"max_tokens": 2})
+    assert sent[-1] == ("decode0", "Submit") and router.reqs["cached"].route == "local"
+    router.submit("short", ROUND1["short"], {"max_tokens": 2})  # nothing cached anywhere: the most room
+    assert sent[-1] == ("decode1", "Submit")
+    states[1].free_blocks = 0  # decode0 full: its prefix does not help, decode1 computes the whole prompt
+    router.submit("again", PREFIX + eh.prompts([5], seed=3)[0], {"max_tokens": 2})
+    assert sent[-1][0] == "prefill0" and router.reqs["again"].route == "remote"  # 45 uncached >= 24
+
+
 @pytest.fixture(scope="module")
 def reference():
     out = {}

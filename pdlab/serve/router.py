@@ -124,10 +124,20 @@ class Router(HandOverFailures):
 
     def _prefill_locally(self, req: _Req) -> bool:
         """Selective routing: a prompt with fewer uncached tokens than the threshold, after what the chosen
-        decode worker holds in its prefix cache, is prefilled by that decode worker."""
-        d = self._decode_with_room(req)
-        if d is None or len(req.prompt_ids) - d.cache.cached_tokens(req.prompt_ids, d.block_size) >= self.remote_min:
+        decode worker holds in its prefix cache, is prefilled by that decode worker. The worker is the one
+        that holds the most of the prompt among those with room for the rest (prefix-aware, as llm-d scores
+        its KV-cache events), else the one with the most room."""
+        best: Optional[tuple] = None
+        for w in self._of("decode"):
+            cached = w.cache.cached_tokens(req.prompt_ids, w.block_size)
+            room = self._room(w, req)
+            fits = room >= cdiv(len(req.prompt_ids) - cached, max(1, w.block_size))
+            key = (fits, cached if fits else 0, room, -len(w.holds), w.name)
+            if best is None or key > best[0]:
+                best = (key, w, cached)
+        if best is None or len(req.prompt_ids) - best[2] >= self.remote_min:
             return False
+        d = best[1]
         req.prefill = req.decode = d.name
         req.route = "local"
         self._give(req, d.name, m.Submit(req.req_id, req.prompt_ids, req.params))
@@ -137,14 +147,15 @@ class Router(HandOverFailures):
         ws = self._of(role)
         return min(ws, key=lambda w: (len(w.holds), w.name)) if ws else None
 
-    def _decode_with_room(self, req: _Req) -> Optional[WorkerState]:
-        def room(w: WorkerState) -> int:
-            inflight = sum(self._blocks(self.reqs[r], w) for r in w.holds if r in self.reqs and r != req.req_id
-                           and "admitted" not in self.reqs[r].phases and self.reqs[r].route == "remote")
-            return w.free_blocks - inflight
+    def _room(self, w: WorkerState, req: _Req) -> int:
+        """Free blocks of decode worker `w` less those promised to hand-overs not yet admitted there."""
+        inflight = sum(self._blocks(self.reqs[r], w) for r in w.holds if r in self.reqs and r != req.req_id
+                       and "admitted" not in self.reqs[r].phases and self.reqs[r].route == "remote")
+        return w.free_blocks - inflight
 
+    def _decode_with_room(self, req: _Req) -> Optional[WorkerState]:
         ws = self._of("decode")
-        return max(ws, key=lambda w: (room(w), -len(w.holds), w.name)) if ws else None
+        return max(ws, key=lambda w: (self._room(w, req), -len(w.holds), w.name)) if ws else None
 
     @staticmethod
     def _blocks(req: _Req, w: WorkerState) -> int:

@@ -100,6 +100,10 @@ class TimingProfile(Section):
     device: str = spec("", "a string (what was measured or modelled)", to_text)
     date: str = spec("", "a string", lambda v: to_text(str(v)))
     model: str = spec("", "a string (the model profiled)", to_text)
+    # one modelled engine instance spans this many devices (its TP degree): a timed or simulated worker stands in
+    # for all of them, so goodput per device divides by workers x devices, not by the stand-ins
+    devices: int = spec(1, "an integer >= 1 (devices one modelled engine instance spans, e.g. its TP degree)",
+                        to_int(1))
     step: StepTiming = spec(expected="the step-time terms", parse=section(StepTiming))
     kv_bytes_per_token: Optional[int] = spec(None, "an integer >= 1 (KV bytes per token, all layers)",
                                              optional(to_int(1)))

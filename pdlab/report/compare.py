@@ -54,12 +54,18 @@ def describe_deployment(dep: Optional[dict]) -> str:
             f"{dep.get('transport', '?')} {dep.get('mode', '?')}")
 
 
-def count_devices(dep: Optional[dict]) -> Optional[int]:
-    """Distinct devices a deployment (recipe.yaml's) uses: the denominator of goodput per device."""
+def count_devices(dep: Optional[dict], timing: Optional[dict] = None) -> Optional[int]:
+    """Devices a deployment (recipe.yaml's) uses: the denominator of goodput per device. Distinct devices of a
+    real run; of a modelled one (`timing`, the variant's resolved profile), its workers times the devices one
+    modelled instance spans (the profile's `devices`), whatever stand-in devices the workers ran on."""
     from pdlab.devices import parse_devices
 
     if not dep:
         return None
+    if timing:
+        workers = sum(int((dep.get(role) or {}).get("replicas") or 1) for role in ("unified", "prefill", "decode")
+                      if dep.get(role))
+        return workers * int(timing.get("devices") or 1) or None
     try:
         return len({d for role in ("unified", "prefill", "decode") for spec in (dep.get(role) or {}).get("devices", [])
                     for d in parse_devices(str(spec))}) or None
@@ -100,6 +106,8 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
         s = _summary(run)
         for v, vs in s["variants"].items():
             dep = ((run.recipe.get("variants") or {}).get(v) or {}).get("deployment")
+            timing = ((((run.recipe.get("variants") or {}).get(v) or {}).get("model") or run.recipe.get("model")
+                       or {}).get("timing"))
             backend = (((run.recipe.get("variants") or {}).get(v) or {}).get("engine") or {}).get("backend")
             if backend not in (None, "pdlab") and (dep or {}).get("transport"):
                 dep = dict(dep, transport="nixl")  # an external engine's own connector (docs/external.md)
@@ -111,7 +119,8 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
                 "config": describe_deployment(dep) + (f" on {backend}" if backend not in (None, "pdlab") else ""),
                 "kind": (dep or {}).get("kind", "?"),
                 "ran": bool(vs.get("ran", True)), "partial": bool(s.get("partial")), "slo": s.get("slo"),
-                "goodput": g, "goodput_tpot": vs["goodput_tpot"], "devices": count_devices(dep),
+                "goodput": g, "goodput_tpot": vs["goodput_tpot"],
+                "devices": count_devices(dep, timing if isinstance(timing, dict) else None),
                 "saturation_tok_s": (vs.get("saturation") or {}).get("output_tok_s"),
                 "met": {t: [x["slo_met"], x["sent"]] for t, x in vs["rates"].items()},
                 "attainment": {t: x["over_repeats"]["attainment"] for t, x in vs["rates"].items()},

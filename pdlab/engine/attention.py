@@ -25,7 +25,6 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from pdlab.constants import cdiv
 from pdlab.engine.cuda_attention import FlashMeta, expand_kv, flash_attend
 
 ATTN_NAME = "pdlab_paged"
@@ -139,16 +138,22 @@ def _attend_in_place(q: torch.Tensor, out: torch.Tensor, k_blocks: torch.Tensor,
     h // group)."""
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_blocks.shape[2]
+    group = heads // kv_heads
     bs = k_blocks.shape[1]
     scale = scaling if scaling is not None else head_dim ** -0.5
+    k_tokens = k_blocks.view(-1, kv_heads, head_dim)  # [slots, Hkv, D]: a request's run is one slice of it
+    v_tokens = v_blocks.view(-1, kv_heads, head_dim)
+    upcast = v_blocks.dtype != torch.float32
+    # few ops per request: at decode sizes each costs more in dispatch than in arithmetic
     for row, first, n in views:
-        nb = cdiv(n, bs)
-        k = k_blocks[first:first + nb].view(-1, kv_heads, head_dim)[:n]  # [n, Hkv, D], a view
-        v = v_blocks[first:first + nb].view(-1, kv_heads, head_dim)[:n]
-        qh = q[row].view(kv_heads, heads // kv_heads, head_dim)  # [Hkv, G, D]
-        scores = torch.matmul(qh, k.permute(1, 2, 0)) * scale  # [Hkv, G, n]
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-        out[row] = torch.matmul(probs, v.transpose(0, 1)).view(heads, head_dim)
+        k = k_tokens[first * bs:first * bs + n]  # [n, Hkv, D], a view
+        v = v_tokens[first * bs:first * bs + n]
+        scores = torch.matmul(q[row].view(kv_heads, group, head_dim), k.permute(1, 2, 0)).mul_(scale)  # [Hkv, G, n]
+        if upcast:
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        torch.matmul(probs, v.transpose(0, 1), out=out[row].view(kv_heads, group, head_dim))
 
 
 def register() -> None:

@@ -29,6 +29,9 @@ class ServerError(RuntimeError):
     """An external server that could not start or stopped; the message is one line and names the cause."""
 
 
+SHM_DIR = "/dev/shm"
+
+
 def free_port() -> int:
     """A loopback TCP port that nothing listens on now (the server binds it moments later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -79,6 +82,7 @@ class Server:
         self.spec = spec
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
+        self.shm: set[str] = set()  # /dev/shm files its processes were seen to map
 
     @property
     def pid(self) -> Optional[int]:
@@ -144,6 +148,7 @@ class Server:
             if reason:
                 raise ServerError(f"{reason} (log: {self.spec.log_path})")
             if self.healthy():
+                self.shm |= _shm_mapped(_group_pids(self.proc.pid))  # what its engine set up, for stop()
                 return
             if time.monotonic() > deadline:
                 raise ServerError(f"server {self.spec.name} not healthy on {HOST}:{self.spec.port} in time "
@@ -152,9 +157,12 @@ class Server:
             time.sleep(0.5)
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """SIGTERM to the group, SIGKILL after `grace`, reap the leader. Idempotent."""
+        """SIGTERM to the group, SIGKILL after `grace`, reap the leader, then remove the shared memory its
+        processes mapped that nobody maps any more (vLLM's CPU engine leaves psm_* segments behind when its
+        group is killed, its resource tracker with it). Idempotent."""
         p = self.proc
         if p is not None:
+            self.shm |= _shm_mapped(_group_pids(p.pid))
             for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, grace)):
                 try:
                     os.killpg(p.pid, sig)  # the group outlives its leader: its engine processes too
@@ -170,17 +178,19 @@ class Server:
                 p.wait(timeout=grace)
             except subprocess.TimeoutExpired:
                 pass
+        if self.shm and (p is None or not _group_alive(p.pid)):
+            left = _remove_unmapped(self.shm)
+            self.shm.clear()
+            if left and self._log is not None:
+                self._log.write(f"pdlab: removed shared memory the server left: {' '.join(left)}\n".encode())
         if self._log is not None:
             self._log.close()
             self._log = None
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether any process of group `pgid` still runs (zombies do not count: their parent reaps them)."""
-    try:
-        os.killpg(pgid, 0)
-    except (ProcessLookupError, PermissionError):
-        return False
+def _group_pids(pgid: int) -> list[int]:
+    """Live (not zombie) processes of group `pgid`."""
+    out = []
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
@@ -190,5 +200,42 @@ def _group_alive(pgid: int) -> bool:
         except OSError:
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            out.append(int(d))
+    return out
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of group `pgid` still runs (zombies do not count: their parent reaps them)."""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return bool(_group_pids(pgid))
+
+
+def _shm_mapped(pids: Optional[list[int]] = None) -> set[str]:
+    """/dev/shm files mapped by `pids` (None: by every process we can read)."""
+    found: set[str] = set()
+    for pid in pids if pids is not None else [int(d) for d in os.listdir("/proc") if d.isdigit()]:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    i = line.find(SHM_DIR + "/")
+                    if i >= 0:
+                        found.add(line[i:].rstrip("\n").removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return found
+
+
+def _remove_unmapped(paths: set[str]) -> list[str]:
+    """Unlink those of `paths` that still exist and that no live process maps; returns their names."""
+    in_use = _shm_mapped()
+    gone = []
+    for path in sorted(paths - in_use):
+        try:
+            os.unlink(path)
+            gone.append(os.path.basename(path))
+        except OSError:
+            pass
+    return gone

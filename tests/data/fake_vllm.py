@@ -5,7 +5,8 @@ Its tokens are a deterministic function of the prompt. Behaviour switches (after
   --fake-exit           print an error and exit 3 at start
   --fake-unhealthy      listen, but /health answers 503 forever
   --fake-port-busy      fail to bind as a server whose port was taken does (errno 98)
-  --fake-child          start a child process in the group, as vLLM starts its engine core
+  --fake-child          start a child process in the group, as vLLM starts its engine core, that maps
+                        /dev/shm/psm_fake_<its pid> and never removes it
   --fake-token-s S      seconds between tokens (default 0.002)
   --fake-chunk K        tokens per streamed chunk (default 1)
 Env FAKE_VLLM_PIDS: a file to which it appends its pid (and its child's).
@@ -43,7 +44,10 @@ def note_pid(pid: int) -> None:
 
 note_pid(os.getpid())
 if args.fake_child:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    # like vLLM's CPU engine core: it maps a shared-memory segment (psm_*) that outlives it when killed
+    child = subprocess.Popen([sys.executable, "-c", "import mmap, os, time\n"
+                              "f = open('/dev/shm/psm_fake_%d' % os.getpid(), 'w+b'); f.write(bytes(4096)); f.flush()\n"
+                              "m = mmap.mmap(f.fileno(), 4096); time.sleep(600)"])
     note_pid(child.pid)
 if args.fake_exit:
     print("RuntimeError: Engine core initialization failed (fake)", flush=True)

@@ -29,6 +29,16 @@ def test_candidates_cover_the_budget():
     assert all(c.devices == 4 for c in candidates(4) if "P" in c.name)
 
 
+def test_a_budget_counts_the_devices_each_modelled_worker_spans():
+    """With a TP4 profile (devices: 4) eight GPUs are two workers: 2x TP4 unified, 1xTP4 unified, or 1P1D
+    (the MORI table's rows but 1xTP8, which is another profile); four GPUs cannot split into P and D."""
+    cands = candidates(8, ("pull", "push"), per_worker=4)
+    assert [(c.name, c.devices) for c in cands] == [("unified-1x", 4), ("unified-2x", 8), ("1P1D-pull", 8),
+                                                    ("1P1D-push", 8)]
+    with pytest.raises(ValueError, match="a budget of 4 devices holds 1 worker"):
+        candidates(4, per_worker=4)
+
+
 def test_closed_form_is_rate_matching():
     r = parse_recipe(dict(RECIPE, rates=[1], variants={
         "pd": {"deployment": {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}}}}))

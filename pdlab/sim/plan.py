@@ -26,17 +26,24 @@ class Candidate:
     deployment: dict  # raw, as a recipe writes it
 
 
-def candidates(budget: int, modes: tuple[str, ...] = ("push",), transport: str = "shm") -> list[Candidate]:
-    """Unified with 1..budget replicas (the whole budget is the sensible one; fewer are listed too, for
-    goodput per device), and every xPyD with x + y = budget, one device per worker. Workers share the box's
-    cores: their times are the profile's."""
-    cores = lambda n: [f"cpu:{i % 2}" for i in range(n)]  # noqa: E731 - timed workers barely use a core
-    out = [Candidate(f"unified-{n}x", n, {"unified": {"replicas": n, "devices": cores(n)}, "share_devices": True})
-           for n in sorted({budget, max(1, budget // 2)})]
-    for p in range(1, budget):
-        d = budget - p
+def candidates(budget: int, modes: tuple[str, ...] = ("push",), transport: str = "shm",
+               per_worker: int = 1) -> list[Candidate]:
+    """Unified with 1..n replicas (the whole budget is the sensible one; fewer are listed too, for goodput
+    per device), and every xPyD with x + y = n, where n = budget // per_worker workers: each worker is one
+    modelled instance spanning `per_worker` devices (the profile's `devices`: a TP4 profile's worker is four
+    GPUs). Workers share the box's cores: their times are the profile's."""
+    n = budget // per_worker
+    if n < 2:
+        raise ValueError(f"plan: a budget of {budget} devices holds {n} worker(s) of {per_worker} devices (the "
+                         "profile's devices); at least 2 are needed (1 prefill + 1 decode)")
+    cores = lambda k: [f"cpu:{i % 2}" for i in range(k)]  # noqa: E731 - timed workers barely use a core
+    out = [Candidate(f"unified-{k}x", k * per_worker,
+                     {"unified": {"replicas": k, "devices": cores(k)}, "share_devices": True})
+           for k in sorted({n, max(1, n // 2)})]
+    for p in range(1, n):
+        d = n - p
         for mode in modes:
-            out.append(Candidate(f"{p}P{d}D-{mode}", budget,
+            out.append(Candidate(f"{p}P{d}D-{mode}", n * per_worker,
                                  {"prefill": {"replicas": p, "devices": cores(p)},
                                   "decode": {"replicas": d, "devices": cores(d)},
                                   "transport": transport, "mode": mode, "share_devices": True}))
@@ -94,7 +101,7 @@ def plan(recipe: Recipe, budget: int, workloads_for: Any, modes: tuple[str, ...]
     base = recipe.resolved(recipe.variant_names[0])
     if not base.model.modelled:
         raise ValueError(f"plan: variant {base.name} has no model.timing; planning needs a timing profile")
-    cands = candidates(budget, modes, base.deployment.transport or "shm")
+    cands = candidates(budget, modes, base.deployment.transport or "shm", base.model.timing.devices)
     variants = {c.name: replace(base, name=c.name, deployment=Deployment.from_raw(c.deployment, c.name))
                 for c in cands}
     planned = replace(recipe, variants=variants)

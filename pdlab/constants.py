@@ -34,6 +34,8 @@ REMOTE_PREFILL_MIN_TOKENS = 0  # route: prefill remotely from this many uncached
 # testing only: inject a fault into every (or every n-th) KV hand-over a decode worker receives, whatever the
 # transport; PDLAB_KV_FAULT=drop|delay|corrupt[:n] (pdlab.kv.faults)
 KV_FAULT_ENV = "PDLAB_KV_FAULT"
+# POSIX shared memory: pdlab's segments (pdlab.kv.shm) and what external servers leave (pdlab.external.server)
+SHM_DIR = "/dev/shm"
 # "0": a CPU engine leaves glibc malloc as it is (pdlab.engine.host_malloc)
 MALLOC_TUNE_ENV = "PDLAB_MALLOC_TUNE"
 KV_FAULT_KINDS = ("drop", "delay", "corrupt")

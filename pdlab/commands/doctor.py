@@ -13,6 +13,8 @@ import platform
 import sys
 from typing import Any
 
+from pdlab.constants import SHM_DIR
+
 
 def cpu_info() -> dict:
     model = platform.processor() or ""
@@ -31,7 +33,7 @@ def cpu_info() -> dict:
         pass
     shm_free = 0
     try:
-        st = os.statvfs("/dev/shm")
+        st = os.statvfs(SHM_DIR)
         shm_free = st.f_bavail * st.f_frsize
     except OSError:
         pass

@@ -19,6 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from pdlab.constants import SHM_DIR
+
 HOST = "127.0.0.1"
 STOP_GRACE_S = 10.0
 LOG_TAIL_LINES = 40
@@ -27,9 +29,6 @@ _PORT_WORDS = ("address already in use", "errno 98")
 
 class ServerError(RuntimeError):
     """An external server that could not start or stopped; the message is one line and names the cause."""
-
-
-SHM_DIR = "/dev/shm"
 
 
 def free_port() -> int:

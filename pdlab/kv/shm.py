@@ -26,7 +26,8 @@ from typing import Sequence
 
 import torch
 
-SHM_DIR = "/dev/shm"
+from pdlab.constants import SHM_DIR
+
 PREFIX = "pdlab-"
 
 _created: set[str] = set()

@@ -105,10 +105,10 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
     for run in runs:
         s = _summary(run)
         for v, vs in s["variants"].items():
-            dep = ((run.recipe.get("variants") or {}).get(v) or {}).get("deployment")
-            timing = ((((run.recipe.get("variants") or {}).get(v) or {}).get("model") or run.recipe.get("model")
-                       or {}).get("timing"))
-            backend = (((run.recipe.get("variants") or {}).get(v) or {}).get("engine") or {}).get("backend")
+            entry = (run.recipe.get("variants") or {}).get(v) or {}  # the variant as resolved in recipe.yaml
+            dep = entry.get("deployment")
+            timing = (entry.get("model") or run.recipe.get("model") or {}).get("timing")
+            backend = (entry.get("engine") or {}).get("backend")
             if backend not in (None, "pdlab") and (dep or {}).get("transport"):
                 dep = dict(dep, transport="nixl")  # an external engine's own connector (docs/external.md)
             finite = [x for t, x in vs["rates"].items() if t != "inf"]

@@ -31,7 +31,7 @@ def vllm_worker(args: argparse.Namespace) -> None:
 
     prompts = json.load(open(args.prompts_file))
     llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_num_seqs=64,
-              enable_prefix_caching=False)
+              enable_prefix_caching=False, max_num_batched_tokens=args.token_budget)
     sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)  # warm-up
     t = time.perf_counter()
@@ -48,7 +48,7 @@ def pdlab_worker(args: argparse.Namespace) -> None:
     model = load_model(args.preset)
 
     def run(ps: list) -> tuple[float, list]:
-        eng = Engine(model, EngineConfig(block_size=16, token_budget=2048, max_running=64, prefix_caching=False))
+        eng = Engine(model, EngineConfig(block_size=16, token_budget=args.token_budget, max_running=64, prefix_caching=False))
         for i, p in enumerate(ps):
             eng.add(str(i), p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True))
         outs: dict[str, list] = {str(i): [] for i in range(len(ps))}
@@ -85,6 +85,8 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=1000)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--token-budget", type=int, default=2048,
+                    help="tokens per engine step, the same for both engines (vLLM's max_num_batched_tokens)")
     ap.add_argument("--core", type=int, default=0)
     ap.add_argument("--vllm-python", default=os.path.join(ROOT, ".venv-vllm", "bin", "python"))
     ap.add_argument("--vllm-worker", action="store_true", help=argparse.SUPPRESS)
@@ -111,7 +113,8 @@ def main() -> None:
     json.dump(prompts, open(pf, "w"))
     core = str(args.core)
     pin = ["taskset", "-c", core]
-    common = ["benchmarks/bench_vllm.py", "--prompts-file", pf, "--new-tokens", str(args.new_tokens)]
+    common = ["benchmarks/bench_vllm.py", "--prompts-file", pf, "--new-tokens", str(args.new_tokens),
+              "--token-budget", str(args.token_budget)]
     cmds = {"pdlab": (pin + [sys.executable, *common, "--pdlab-worker", "--preset", args.preset],
                       {"OMP_NUM_THREADS": "1"}),
             "vllm": (pin + [args.vllm_python, *common, "--vllm-worker", "--model-dir", path],

@@ -218,11 +218,14 @@ def test_abort_frees_blocks():
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
 def test_in_place_decode_attention_matches(preset, monkeypatch):
-    """Long contexts in contiguous blocks are read in place rather than gathered: same tokens."""
+    """Without the C kernel (pdlab.engine.cpu_kernel), long contexts in contiguous blocks are read in place
+    rather than gathered: same tokens."""
     import pdlab.engine.runner as runner
 
     import pdlab.engine.attention as attention
+    from pdlab.engine import cpu_kernel
 
+    monkeypatch.setattr(cpu_kernel, "usable", lambda *a: False)
     monkeypatch.setattr(runner, "VIEW_MIN_CONTEXT", 24)
     in_place = []
     real = attention._attend_in_place

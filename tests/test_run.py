@@ -169,6 +169,7 @@ def test_control_plane_over_loopback_tcp(tmp_path):
 def test_doctor_and_generate_commands():
     r = pdlab("doctor", "--probe-mb", "1", timeout=120)
     assert r.returncode == 0 and "shm" in r.stdout and "Traceback" not in r.stderr, r.stderr
+    assert "CPU decode-attention kernel" in r.stdout
     r = pdlab("generate", "--model", "tiny-llama", "--prompts", "2", "--prompt-len", "16", "--max-tokens", "4",
               timeout=120)
     assert r.returncode == 0 and "8 new tokens" in r.stdout, r.stdout + r.stderr

@@ -37,9 +37,11 @@ def cpu_info() -> dict:
         shm_free = st.f_bavail * st.f_frsize
     except OSError:
         pass
+    from pdlab.engine import cpu_kernel
+
     return {"model": model, "cores": os.cpu_count(), "usable_cores": sorted(os.sched_getaffinity(0)),
             "memory_bytes": mem.get("MemTotal", 0), "available_bytes": mem.get("MemAvailable", 0),
-            "dev_shm_free_bytes": shm_free}
+            "dev_shm_free_bytes": shm_free, "decode_kernel": cpu_kernel.status()}
 
 
 def gpu_info() -> dict:
@@ -119,6 +121,7 @@ def _print(r: dict) -> None:
     c = r["cpu"]
     con.print(f"[bold]CPU[/] {c['model']}: {c['cores']} cores (usable {c['usable_cores']}), "
               f"{c['memory_bytes'] / 2**30:.1f} GiB memory, {c['dev_shm_free_bytes'] / 2**30:.1f} GiB free in /dev/shm")
+    con.print(f"  CPU decode-attention kernel (pdlab.engine.cpu_kernel): {c['decode_kernel']}")
     g = r["gpu"]
     if not g["available"] or not g["gpus"]:
         con.print(f"[bold]GPU[/] none: {g.get('reason', 'NVML reports 0 devices')}")

@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from pdlab.engine import cpu_kernel
 from pdlab.engine.cuda_attention import FlashMeta, expand_kv, flash_attend
 
 ATTN_NAME = "pdlab_paged"
@@ -49,6 +50,7 @@ class AttnContext:
     prefills: list[PrefillSegment] = field(default_factory=list)
     decode_views: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first block, context len)
     layer_hook: Optional[Callable[[int], None]] = None
+    decode_batch: Optional[Any] = None  # CPU float32: every decode request, for pdlab.engine.cpu_kernel
     flash: Optional[FlashMeta] = None  # CUDA, kernel flash-attn: the whole batch in one varlen call
     expand_kv: bool = False  # CUDA, kernel sdpa-expanded: K/V heads repeated instead of enable_gqa
 
@@ -103,6 +105,9 @@ def paged_attention(
             qd = q[ctx.decode_rows].view(b, kv_heads, -1, head_dim)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling)
         out[ctx.decode_rows] = od.reshape(b, -1, head_dim)
+    if ctx.decode_batch is not None:
+        cpu_kernel.decode_attention(q, k_blocks, v_blocks, ctx.decode_batch,
+                                    scaling if scaling is not None else head_dim ** -0.5, out)
     if ctx.decode_views:
         _attend_in_place(q, out, k_blocks, v_blocks, ctx.decode_views, scaling)
     for seg in ctx.prefills:

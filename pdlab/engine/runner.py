@@ -52,6 +52,14 @@ class ModelRunner:
         self.layer_hook: Optional[Callable[[int], None]] = None
         # Per-request kernels are cheap on a CPU and expensive launches on a GPU: in place on CPU only.
         self.in_place = self.device.type == "cpu"
+        # CPU, float32: every decode request of a step through pdlab's C kernel (pdlab.engine.cpu_kernel)
+        self.cpu_kernel = False
+        if self.device.type == "cpu":
+            from pdlab.engine import cpu_kernel
+
+            cfg = model.config
+            heads = cfg.num_attention_heads
+            self.cpu_kernel = cpu_kernel.usable(kv.dtype, heads, kv.shape[-2], kv.shape[-1])
         flash = ca.flash_module() if self.device.type == "cuda" else None
         self.kernel = ca.kernel_for(self.device.type, kv.dtype, kv.shape[-1], flash)
         self.paged = self.kernel == "flash-attn" and ca.supports_paged(flash, block_size)
@@ -77,6 +85,9 @@ class ModelRunner:
         prefills: list[PrefillSegment] = []
         views: list[tuple[int, int, int]] = []
         sample_rows: list[int] = []
+        kernel_rows: list[int] = []
+        kernel_tables: list[list[int]] = []
+        kernel_lens: list[int] = []
         for seq, n, is_decode in zip(seqs, num_tokens, decode):
             start, end = seq.num_computed, seq.num_computed + n
             row = len(input_ids)
@@ -86,6 +97,11 @@ class ModelRunner:
                 positions.append(start)
                 slots.append(table[start // bs] * bs + start % bs)
                 sample_rows.append(row)
+                if self.cpu_kernel:
+                    kernel_rows.append(row)
+                    kernel_tables.append(table)
+                    kernel_lens.append(end)
+                    continue
                 if self.in_place and seq.contiguous and end >= VIEW_MIN_CONTEXT:
                     views.append((row, table[0], end))
                     continue
@@ -107,6 +123,10 @@ class ModelRunner:
                 sample_rows.append(row + n - 1)
         ctx = AttnContext(kv=self.kv, slots=_long(slots, self.device), prefills=prefills,
                           decode_views=views, layer_hook=self.layer_hook, expand_kv=self.kernel == "sdpa-expanded")
+        if kernel_rows:
+            from pdlab.engine.cpu_kernel import DecodeBatch
+
+            ctx.decode_batch = DecodeBatch(kernel_rows, kernel_tables, kernel_lens)
         if decode_rows:
             width = max(len(t) for t in decode_tables)
             flat: list[int] = []

@@ -1,0 +1,259 @@
+/* Decode attention over the paged KV pool, every decode request of a step in one call (pdlab.engine.cpu_kernel).
+
+   One query token per request attends to its whole context, read in place from the request's blocks: no
+   gather, no per-request Python. For each (request, K/V head) the G query heads that share the K/V head
+   are scored against every context token, softmaxed (max-subtracted, as SDPA does) and used to weigh V.
+
+   Plain C, no torch headers: the build takes about a second with any C compiler and is called through
+   ctypes with data pointers. Built with -O3 -march=native and associative float math so that the loops
+   over head_dim vectorise; exp is a Cephes-style polynomial (about 1 ulp, like SLEEF's expf_u10 that torch
+   uses), written so that it vectorises too.
+
+   Layouts (float32):
+     q, out   rows of the packed batch; element (row, head, d) at row * row_stride + head * head_stride + d
+     k, v     one layer's blocks [num_blocks, block_size, kv_heads, head_dim], contiguous
+     tables   [batch, width] block ids (int32), lens [batch] context tokens (int32), rows [batch] (int32)
+   scratch: at least heads * max(lens) floats. */
+
+#include <math.h>
+#include <string.h>
+
+static inline float exp_neg(float x) { /* exp(x) for x <= 0 */
+    x = x < -87.0f ? -87.0f : x;
+    float fx = floorf(x * 1.44269504088896341f + 0.5f);
+    x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+    float z = x * x;
+    float y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+               + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    union { int i; float f; } p;
+    p.i = ((int)fx + 127) << 23;
+    return y * p.f;
+}
+
+#define MAX_GROUP 32
+#define MAX_DIM 256
+#define PREFETCH_ROWS 8 /* tokens ahead: K/V rows come from L3 or DRAM, read front to back */
+
+/* Eight floats as one value (GCC/Clang vector extension: AVX or NEON registers, generic code elsewhere). */
+typedef float vec8 __attribute__((vector_size(32)));
+
+static inline vec8 load8(const float *p) { vec8 x; memcpy(&x, p, sizeof x); return x; }
+static inline void store8(float *p, vec8 x) { memcpy(p, &x, sizeof x); }
+
+static inline float hsum8(vec8 a) {
+    typedef float vec4 __attribute__((vector_size(16)));
+    vec4 lo = __builtin_shufflevector(a, a, 0, 1, 2, 3), hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    vec4 s = lo + hi;
+    vec4 t = __builtin_shufflevector(s, s, 2, 3, 0, 1);
+    s = s + t;
+    return s[0] + s[1];
+}
+
+typedef int ivec8 __attribute__((vector_size(32)));
+
+static inline vec8 select8(ivec8 mask, vec8 a, vec8 b) { /* mask ? a : b, lane by lane (C has no vector ?:) */
+    return (vec8)((mask & (ivec8)a) | (~mask & (ivec8)b));
+}
+
+static inline vec8 exp_neg8(vec8 x) { /* exp_neg on eight lanes */
+    const vec8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
+    x = select8(x < lo, lo, x);
+    vec8 fx = x * 1.44269504088896341f + 0.5f;
+    ivec8 n = __builtin_convertvector(fx, ivec8);
+    vec8 fn = __builtin_convertvector(n, vec8);
+    fn = select8(fn > fx, fn - 1.0f, fn); /* floor: truncation rounds negatives up */
+    x = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+    vec8 z = x * x;
+    vec8 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+              + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    ivec8 e = (__builtin_convertvector(fn, ivec8) + 127) << 23;
+    vec8 p;
+    memcpy(&p, &e, sizeof p);
+    return y * p;
+}
+
+
+/* Scores of every (K/V head, query head) of one request in one pass over its tokens, so each K row is read
+   once, front to back: scratch[(h * groups + g) * n + t]. */
+static inline __attribute__((always_inline)) void scores8(
+        const float *qr, long q_head_stride, const float *k, int block_size, const int *table, int n,
+        int kv_heads, float scale, float *scratch, const int groups, const int head_dim) {
+    const int dv = head_dim / 8;
+    const long token_stride = (long)kv_heads * head_dim;
+    for (int t0 = 0, blk = 0; t0 < n; t0 += block_size, blk++) {
+        const float *kb = k + (long)table[blk] * block_size * token_stride;
+        const int m = n - t0 < block_size ? n - t0 : block_size;
+        for (int t = 0; t < m; t++) {
+            const float *kt = kb + t * token_stride;
+            __builtin_prefetch(kt + PREFETCH_ROWS * token_stride);
+            for (int h = 0; h < kv_heads; h++) {
+                const float *kh = kt + h * head_dim;
+                for (int g = 0; g < groups; g++) {
+                    const float *qg = qr + (h * groups + g) * q_head_stride;
+                    vec8 a = load8(qg) * load8(kh);
+                    for (int j = 1; j < dv; j++) a += load8(qg + 8 * j) * load8(kh + 8 * j);
+                    scratch[(long)(h * groups + g) * n + t0 + t] = hsum8(a) * scale;
+                }
+            }
+        }
+    }
+}
+
+/* One (request, K/V head): its `groups` query heads against the request's `n` context tokens. Inlined into
+   callers with constant `groups` and `head_dim` below, so the loops over them unroll and vectorise without
+   run-time trip counts. head_dim a multiple of 8: eight-float vectors, scores summed across a vector once
+   per (token, head), P @ V accumulated in registers, `CHUNK` vectors of head_dim at a time. */
+#define CHUNK 4
+static inline __attribute__((always_inline)) void attend8(
+        const float *qh, long q_head_stride, const float *k, const float *v, int block_size, const int *table,
+        int n, long token_stride, int h, float scale, float *o, long o_head_stride, float *scratch,
+        const int groups, const int head_dim, const int scored) {
+    const int dv = head_dim / 8;
+    for (int t0 = 0, blk = 0; !scored && t0 < n; t0 += block_size, blk++) { /* scores: scratch[g * n + t] */
+        const float *kb = k + (long)table[blk] * block_size * token_stride + (long)h * head_dim;
+        const int m = n - t0 < block_size ? n - t0 : block_size;
+        for (int t = 0; t < m; t++) {
+            const float *kt = kb + t * token_stride;
+            __builtin_prefetch(kt + PREFETCH_ROWS * token_stride);
+            for (int g = 0; g < groups; g++) {
+                const float *qg = qh + g * q_head_stride;
+                vec8 a = load8(qg) * load8(kt);
+                for (int j = 1; j < dv; j++) a += load8(qg + 8 * j) * load8(kt + 8 * j);
+                scratch[g * n + t0 + t] = hsum8(a) * scale;
+            }
+        }
+    }
+    float inv[MAX_GROUP];
+    for (int g = 0; g < groups; g++) { /* softmax rows */
+        float *s = scratch + (long)g * n;
+        float mx = -INFINITY;
+        int t = 0;
+        if (n >= 8) {
+            vec8 m8 = load8(s);
+            for (t = 8; t + 8 <= n; t += 8) { vec8 x = load8(s + t); m8 = select8(x > m8, x, m8); }
+            for (int i = 0; i < 8; i++) mx = m8[i] > mx ? m8[i] : mx;
+        } else {
+            t = 0;
+        }
+        for (; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+        vec8 sum8 = {0};
+        for (t = 0; t + 8 <= n; t += 8) {
+            vec8 e = exp_neg8(load8(s + t) - mx);
+            store8(s + t, e);
+            sum8 += e;
+        }
+        float sum = hsum8(sum8);
+        for (; t < n; t++) { s[t] = exp_neg(s[t] - mx); sum += s[t]; }
+        inv[g] = 1.0f / sum;
+    }
+    for (int c = 0; c < dv; c += CHUNK) { /* P @ V, CHUNK vectors of head_dim per pass */
+        const int w = dv - c < CHUNK ? dv - c : CHUNK;
+        vec8 acc[MAX_GROUP][CHUNK];
+        for (int g = 0; g < groups; g++)
+            for (int j = 0; j < CHUNK; j++) acc[g][j] = (vec8){0};
+        for (int t0 = 0, blk = 0; t0 < n; t0 += block_size, blk++) {
+            const float *vb = v + (long)table[blk] * block_size * token_stride + (long)h * head_dim + 8 * c;
+            const int m = n - t0 < block_size ? n - t0 : block_size;
+            for (int t = 0; t < m; t++) {
+                const float *vt = vb + t * token_stride;
+                __builtin_prefetch(vt + PREFETCH_ROWS * token_stride);
+                vec8 x[CHUNK];
+                for (int j = 0; j < w; j++) x[j] = load8(vt + 8 * j);
+                for (int g = 0; g < groups; g++) {
+                    const float p = scratch[g * n + t0 + t];
+                    for (int j = 0; j < w; j++) acc[g][j] += p * x[j];
+                }
+            }
+        }
+        for (int g = 0; g < groups; g++)
+            for (int j = 0; j < w; j++) store8(o + (long)g * o_head_stride + 8 * (c + j), acc[g][j] * inv[g]);
+    }
+}
+
+/* Any shape within the limits: plain loops. */
+static void attend(const float *qh, long q_head_stride, const float *k, const float *v, int block_size,
+                   const int *table, int n, long token_stride, int h, float scale, float *o, long o_head_stride,
+                   float *scratch, const int groups, const int head_dim) {
+    float acc[MAX_GROUP * MAX_DIM];
+    float inv[MAX_GROUP];
+    for (int t0 = 0, blk = 0; t0 < n; t0 += block_size, blk++) {
+        const float *kb = k + (long)table[blk] * block_size * token_stride + (long)h * head_dim;
+        const int m = n - t0 < block_size ? n - t0 : block_size;
+        for (int t = 0; t < m; t++) {
+            const float *kt = kb + t * token_stride;
+            for (int g = 0; g < groups; g++) {
+                const float *qg = qh + g * q_head_stride;
+                float s = 0.0f;
+                for (int d = 0; d < head_dim; d++) s += qg[d] * kt[d];
+                scratch[g * n + t0 + t] = s * scale;
+            }
+        }
+    }
+    for (int g = 0; g < groups; g++) {
+        float *s = scratch + (long)g * n;
+        float mx = -INFINITY;
+        for (int t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+        float sum = 0.0f;
+        for (int t = 0; t < n; t++) {
+            s[t] = exp_neg(s[t] - mx);
+            sum += s[t];
+        }
+        inv[g] = 1.0f / sum;
+    }
+    memset(acc, 0, sizeof(float) * groups * head_dim);
+    for (int t0 = 0, blk = 0; t0 < n; t0 += block_size, blk++) {
+        const float *vb = v + (long)table[blk] * block_size * token_stride + (long)h * head_dim;
+        const int m = n - t0 < block_size ? n - t0 : block_size;
+        for (int t = 0; t < m; t++) {
+            const float *vt = vb + t * token_stride;
+            for (int g = 0; g < groups; g++) {
+                const float p = scratch[g * n + t0 + t];
+                float *a = acc + g * head_dim;
+                for (int d = 0; d < head_dim; d++) a[d] += p * vt[d];
+            }
+        }
+    }
+    for (int g = 0; g < groups; g++) {
+        float *og = o + (long)g * o_head_stride;
+        for (int d = 0; d < head_dim; d++) og[d] = acc[g * head_dim + d] * inv[g];
+    }
+}
+
+#define CASE(G, D) case (G) * 1024 + (D): \
+    scores8(q + rows[b] * q_row_stride, q_head_stride, k, block_size, table, n, kv_heads, scale, scratch, G, D); \
+    for (int h = 0; h < kv_heads; h++) \
+        attend8(0, q_head_stride, k, v, block_size, table, n, token_stride, h, scale, \
+                out + rows[b] * o_row_stride + (long)h * G * o_head_stride, o_head_stride, \
+                scratch + (long)h * G * n, G, D, 1); \
+    break;
+
+int pdlab_decode_attention(const float *q, long q_row_stride, long q_head_stride, const int *rows, int batch,
+                           int heads, int kv_heads, int head_dim, const float *k, const float *v, int block_size,
+                           const int *tables, int width, const int *lens, float scale, float *out,
+                           long o_row_stride, long o_head_stride, float *scratch) {
+    const int groups = heads / kv_heads;
+    if (groups > MAX_GROUP || head_dim > MAX_DIM || groups * kv_heads != heads) return -1;
+    const long token_stride = (long)kv_heads * head_dim;
+    for (int b = 0; b < batch; b++) {
+        const int n = lens[b];
+        const int *table = tables + (long)b * width;
+        switch (groups * 1024 + head_dim) { /* the shapes of common models get constant loop bounds */
+            CASE(1, 64) CASE(1, 128) CASE(2, 64) CASE(2, 128) CASE(4, 32) CASE(4, 64) CASE(4, 128)
+            CASE(8, 64) CASE(8, 128)
+            default:
+                for (int h = 0; h < kv_heads; h++) {
+                    const float *qh = q + rows[b] * q_row_stride + (long)h * groups * q_head_stride;
+                    float *o = out + rows[b] * o_row_stride + (long)h * groups * o_head_stride;
+                    if (head_dim % 8 == 0)
+                        attend8(qh, q_head_stride, k, v, block_size, table, n, token_stride, h, scale, o,
+                                o_head_stride, scratch, groups, head_dim, 0);
+                    else
+                        attend(qh, q_head_stride, k, v, block_size, table, n, token_stride, h, scale, o,
+                               o_head_stride, scratch, groups, head_dim);
+                }
+        }
+    }
+    return 0;
+}

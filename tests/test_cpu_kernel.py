@@ -1,0 +1,112 @@
+"""pdlab's CPU decode-attention kernel: built here, equal to SDPA on paged K/V, and the engine's torch path
+where it cannot be built."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_helpers import engine, hf_greedy, prompts, reference, run
+from pdlab.engine import cpu_kernel
+from pdlab.engine.cpu_kernel import DecodeBatch
+
+needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler here")
+
+
+def reference_attention(q, kv, rows, tables, lens, block_size, scale):
+    out = {}
+    heads, kv_heads = q.shape[1], kv.shape[3]
+    for r, t, n in zip(rows, tables, lens):
+        k = kv[0][t].reshape(-1, kv_heads, q.shape[2])[:n].transpose(0, 1)
+        v = kv[1][t].reshape(-1, kv_heads, q.shape[2])[:n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[r].view(kv_heads, heads // kv_heads, -1), k, v, scale=scale)
+        out[r] = o.reshape(heads, -1)
+    return out
+
+
+@needs_cc
+def test_the_kernel_builds_on_this_machine():
+    assert cpu_kernel.status() == "built"
+
+
+@needs_cc
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 64), (16, 8, 128), (8, 1, 64),
+                                                     (6, 2, 24), (12, 4, 40)])  # the last two: generic loops
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, block_size):
+    torch.manual_seed(heads * 1000 + head_dim + block_size)
+    num_blocks = 400
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
+    lens = [1, 2, 7, 8, 9, 63, 64, 65, 300]  # one token, under and across eight-float vectors and blocks
+    perm = torch.randperm(num_blocks).tolist()  # blocks in no order: the table is followed, not assumed
+    tables, i = [], 0
+    for n in lens:
+        k = -(-n // block_size)
+        tables.append(perm[i:i + k])
+        i += k
+    q_full = torch.randn(len(lens) + 5, heads, head_dim)
+    q = q_full.transpose(0, 1).contiguous().transpose(0, 1)  # a strided view, as transformers hands it over
+    rows = [0, 2, 3, 5, 6, 8, 9, 11, 13]
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim ** -0.5
+    cpu_kernel.decode_attention(q, kv[0], kv[1], DecodeBatch(rows, tables, lens), scale, out)
+    ref = reference_attention(q, kv, rows, tables, lens, block_size, scale)
+    for r in rows:
+        torch.testing.assert_close(out[r], ref[r], rtol=1e-5, atol=1e-5)
+    others = [r for r in range(q.shape[0]) if r not in rows]
+    assert torch.isnan(out[others]).all(), "rows that are not decode rows were written"
+
+
+@needs_cc
+def test_limits_are_refused_not_overrun():
+    assert not cpu_kernel.usable(torch.float32, 8 * 64, 8, 64)  # 64 query heads per K/V head
+    assert not cpu_kernel.usable(torch.float32, 8, 8, 512)
+    assert not cpu_kernel.usable(torch.bfloat16, 8, 2, 64)  # float32 only: bf16 pools take the torch path
+    assert cpu_kernel.usable(torch.float32, 8, 2, 64)
+
+
+def _status_in_subprocess(env: dict) -> str:
+    code = "from pdlab.engine import cpu_kernel; print(cpu_kernel.status())"
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, **env}, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
+
+
+def test_switched_off_or_without_a_compiler_the_torch_path_is_used(tmp_path):
+    assert _status_in_subprocess({"PDLAB_CPU_KERNEL": "0"}) == "off (PDLAB_CPU_KERNEL=0)"
+    status = _status_in_subprocess({"CC": "/nonexistent/cc", "PDLAB_KERNEL_CACHE": str(tmp_path)})
+    assert status.startswith("unavailable (no C compiler") and "torch" in status
+    assert os.listdir(tmp_path) == []
+
+
+@needs_cc
+def test_a_cached_build_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDLAB_KERNEL_CACHE", str(tmp_path))
+    first = cpu_kernel.build()
+    mtime = os.stat(first).st_mtime_ns
+    assert cpu_kernel.build() == first and os.stat(first).st_mtime_ns == mtime
+    assert os.listdir(tmp_path) == [os.path.basename(first)], "a temporary file was left behind"
+
+
+@needs_cc
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+@pytest.mark.parametrize("kernel", [True, False])
+def test_engine_matches_transformers_with_and_without_the_kernel(preset, kernel, monkeypatch):
+    """Both decode paths of a CPU engine give transformers' greedy tokens; the kernel path really ran."""
+    calls = []
+    real = cpu_kernel.decode_attention
+    monkeypatch.setattr(cpu_kernel, "decode_attention", lambda *a: (calls.append(1), real(*a)))
+    if not kernel:
+        monkeypatch.setattr(cpu_kernel, "usable", lambda *a: False)
+    reqs = prompts([5, 17, 40, 33, 64, 1, 90])
+    eng = engine(preset, block_size=16, kv_blocks=128)
+    outs, _ = run(eng, reqs, max_tokens=24)
+    ref = reference(preset)
+    assert outs == {str(i): hf_greedy(ref, p, 24) for i, p in enumerate(reqs)}
+    assert bool(calls) == kernel
+    eng.check_idle()

@@ -110,3 +110,43 @@ def test_engine_matches_transformers_with_and_without_the_kernel(preset, kernel,
     assert outs == {str(i): hf_greedy(ref, p, 24) for i, p in enumerate(reqs)}
     assert bool(calls) == kernel
     eng.check_idle()
+
+
+@needs_cc
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_rotary_is_transformers_bit_for_bit(preset):
+    """The one-pass rotary kernel rounds exactly as transformers' five ops, for the layout the attention
+    layers hand over (a transposed projection), and the engine's model uses it only inside a step."""
+    import sys
+
+    from engine_helpers import model
+    from pdlab.engine import attention
+
+    m = model(preset)
+    attn = next(x for x in m.modules() if type(x).__name__.endswith("Attention"))
+    mod = sys.modules[type(attn).__module__]
+    original = mod.apply_rotary_pos_emb.__wrapped__
+    torch.manual_seed(0)
+    cfg = m.config
+    tokens, heads, kv_heads = 37, cfg.num_attention_heads, cfg.num_key_value_heads
+    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    q = torch.randn(1, tokens, heads, dim).transpose(1, 2)
+    k = torch.randn(1, tokens, kv_heads, dim).transpose(1, 2)
+    rope = type(m.get_decoder().rotary_emb)(m.config)
+    cos, sin = rope(q, torch.arange(tokens).unsqueeze(0) * 7)
+    want_q, want_k = original(q, k, cos, sin)
+    got_q, got_k = cpu_kernel.rotary(q, cos, sin), cpu_kernel.rotary(k, cos, sin)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert got_q.stride() == want_q.stride()
+    calls = []
+    real = cpu_kernel.rotary
+    try:
+        cpu_kernel.rotary = lambda *a: (calls.append(1), real(*a))[1]
+        mod.apply_rotary_pos_emb(q, k, cos, sin)  # outside an engine step: transformers' own ops
+        assert not calls
+        attention.set_context(object())
+        assert all(torch.equal(a, b) for a, b in zip(mod.apply_rotary_pos_emb(q, k, cos, sin), (want_q, want_k)))
+        assert calls
+    finally:
+        attention.set_context(None)
+        cpu_kernel.rotary = real

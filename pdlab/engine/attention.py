@@ -4,7 +4,9 @@ The model runs on a packed batch of one: every scheduled token of every request 
 ([1, T]) with its own position id. transformers computes q/k/v and rotary embeddings per token as usual
 and then calls `paged_attention` once per layer. There we write the new K/V into the paged pool and
 attend each request to its own context:
-- decode requests (one query token) in one padded SDPA call over K/V gathered from their blocks, the query
+- decode requests (one query token), CPU float32: all of them in one call of pdlab's C kernel, reading K/V in
+  place from their blocks (pdlab.engine.cpu_kernel); where it cannot be built, the torch paths: long
+  contiguous contexts in place (`_attend_in_place`), the others in one padded SDPA call over K/V gathered from their blocks, the query
   heads that share a K/V head laid out as rows of one query (25-35% faster than `enable_gqa` on CPU, and
   exact: with one query token no row masks another);
 - prefill chunks one SDPA call each: plain causal over the chunk's own K/V when the request has no

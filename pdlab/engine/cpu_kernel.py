@@ -1,10 +1,13 @@
-"""pdlab's CPU decode-attention kernel (csrc/decode_attention.c): built once per machine, called through ctypes.
+"""pdlab's CPU kernels, built once per machine and called through ctypes: decode attention
+(csrc/decode_attention.c) and rotary embedding (csrc/rotary.c).
 
 Why a kernel: a decode step attends each request's one query token to its whole context. In torch that is a
 few small ops per request and layer (two matmuls, a softmax), each costing more in dispatch and in MKL's
 small-matrix path than in arithmetic: with 32 requests of ~600 tokens it was half the decode step and most
 of the gap to vLLM's CPU engine, which runs its own C++ kernel there. This one does every decode request of
-a layer in one call, reading K/V in place from the paged pool.
+a layer in one call, reading K/V in place from the paged pool. The rotary kernel replaces transformers' five
+ops (two products, a negation, a concatenation, a sum: a pass and a temporary each) with one pass giving the
+same bits.
 
 Why ctypes and plain C: no torch headers, so the build takes about a second with the system's C compiler
 (`cc`, or $CC) and needs neither ninja nor a matching torch build. The shared object is cached under
@@ -29,15 +32,18 @@ from typing import Optional
 
 import torch
 
-SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc", "decode_attention.c")
-# -O3 -march=native: vectorised for this CPU. Associative float math (not -ffast-math: with GCC < 13 that links
-# crtfastmath into a shared object, which turns on flush-to-zero for the whole process) lets the dot products
-# over head_dim vectorise.
-FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-         "-fno-trapping-math"]
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]  # vectorised for this CPU
+# Associative float math (not -ffast-math: with GCC < 13 that links crtfastmath into a shared object, which turns
+# on flush-to-zero for the whole process) lets the attention's dot products over head_dim vectorise. The rotary
+# kernel must round as torch does: no reassociation, no fused multiply-add.
+FLAGS = {"decode_attention": BASE_FLAGS + ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+                                           "-fno-trapping-math"],
+         "rotary": BASE_FLAGS + ["-ffp-contract=off"]}
 MAX_GROUP, MAX_DIM = 32, 256  # the kernel's limits (query heads per K/V head, head_dim), as in the source
 
-_lib: Optional[ctypes.CDLL] = None
+_lib: Optional[ctypes.CDLL] = None  # decode attention
+_rotary: Optional[ctypes.CDLL] = None
 _status = ""
 
 
@@ -68,22 +74,24 @@ def _compiler_id(cc: str) -> str:
         return ""
 
 
-def build() -> str:
-    """The path of the built shared object (building it if it is not cached); raises with the reason."""
+def build(name: str = "decode_attention") -> str:
+    """The path of kernel `name`'s shared object (building it if it is not cached); raises with the reason."""
     cc = os.environ.get("CC") or "cc"
     if shutil.which(cc) is None:
         raise RuntimeError(f"no C compiler ({cc} not found)")
-    src = open(SOURCE, "rb").read()
-    key = hashlib.sha256(src + " ".join(FLAGS).encode() + _compiler_id(cc).encode() + _cpu_flags().encode())
+    source = os.path.join(CSRC, f"{name}.c")
+    flags = FLAGS[name]
+    src = open(source, "rb").read()
+    key = hashlib.sha256(src + " ".join(flags).encode() + _compiler_id(cc).encode() + _cpu_flags().encode())
     out_dir = cache_dir()
-    path = os.path.join(out_dir, f"decode_attention-{key.hexdigest()[:16]}.so")
+    path = os.path.join(out_dir, f"{name}-{key.hexdigest()[:16]}.so")
     if os.path.isfile(path):
         return path
     os.makedirs(out_dir, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        p = subprocess.run([cc, *FLAGS, SOURCE, "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+        p = subprocess.run([cc, *flags, source, "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
         if p.returncode:
             lines = p.stderr.strip().splitlines()
             raise RuntimeError(f"{cc} failed: {next((x for x in lines if 'error' in x), lines[-1] if lines else '?')}")
@@ -95,23 +103,25 @@ def build() -> str:
 
 
 def load() -> Optional[ctypes.CDLL]:
-    """The kernel library, or None (the reason is in `status()`); tried once per process."""
-    global _lib, _status
+    """The decode-attention library (the rotary one loaded with it), or None (the reason is in `status()`);
+    tried once per process."""
+    global _lib, _rotary, _status
     if _lib is not None or _status:
         return _lib
     if os.environ.get("PDLAB_CPU_KERNEL", "1") == "0":
         _status = "off (PDLAB_CPU_KERNEL=0)"
         return None
     try:
-        lib = ctypes.CDLL(build())
+        lib, rot = ctypes.CDLL(build("decode_attention")), ctypes.CDLL(build("rotary"))
     except Exception as e:  # noqa: BLE001 - any failure means the torch path, with the reason kept
         _status = f"unavailable ({e}); using torch ops"
         return None
-    f = lib.pdlab_decode_attention
     p, i, l, fl = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-    f.argtypes = [p, l, l, p, i, i, i, i, p, p, i, p, i, p, fl, p, l, l, p]
-    f.restype = ctypes.c_int
-    _lib, _status = lib, "built"
+    lib.pdlab_decode_attention.argtypes = [p, l, l, p, i, i, i, i, p, p, i, p, i, p, fl, p, l, l, p]
+    lib.pdlab_decode_attention.restype = ctypes.c_int
+    rot.pdlab_rotary.argtypes = [p, l, l, i, i, i, p, p, p]
+    rot.pdlab_rotary.restype = None
+    _lib, _rotary, _status = lib, rot, "built"
     return lib
 
 
@@ -162,3 +172,21 @@ def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
     if rc:
         raise ValueError(f"decode_attention: heads {heads} / kv heads {kv_heads} / head_dim {head_dim} "
                          f"beyond the kernel's limits")
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Optional[torch.Tensor]:
+    """transformers' `x * cos + rotate_half(x) * sin` for x [1, heads, tokens, head_dim] and cos/sin
+    [1, tokens, head_dim], in one pass and the same bits; None where the kernel does not apply (the caller
+    then runs transformers' ops). The result is laid out [1, tokens, heads, head_dim] in memory, as
+    transformers' would be for the transposed projection it is given."""
+    rot = _rotary
+    if (rot is None or x.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or x.dim() != 4 or x.shape[0] != 1 or x.stride(3) != 1 or x.shape[3] % 2 or x.device.type != "cpu"):
+        return None
+    _, heads, tokens, dim = x.shape
+    if cos.shape != (1, tokens, dim) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()):
+        return None
+    out = torch.empty((1, tokens, heads, dim), dtype=x.dtype)
+    rot.pdlab_rotary(x.data_ptr(), x.stride(2), x.stride(1), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(),
+                     out.data_ptr())
+    return out.transpose(1, 2)

@@ -97,6 +97,7 @@ def load_model(spec: Any, dtype: str = "float32", device: str = "cpu", seed: int
 
     from pdlab.engine.attention import ATTN_NAME, register
     from pdlab.engine.fused_norm import fuse_rms_norms
+    from pdlab.engine.fused_rotary import fuse_rotary
 
     if not isinstance(spec, str):
         # a recipe's model section may carry device/dtype: None ("the worker's default"): keep ours then
@@ -125,6 +126,8 @@ def load_model(spec: Any, dtype: str = "float32", device: str = "cpu", seed: int
     model.requires_grad_(False)
     model.config._attn_implementation = ATTN_NAME
     fuse_rms_norms(model)
+    if next(model.parameters()).device.type == "cpu":
+        fuse_rotary(model)
     return model
 
 

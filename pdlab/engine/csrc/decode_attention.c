@@ -87,7 +87,7 @@ static inline __attribute__((always_inline)) void scores8(
         const int m = n - t0 < block_size ? n - t0 : block_size;
         for (int t = 0; t < m; t++) {
             const float *kt = kb + t * token_stride;
-            __builtin_prefetch(kt + PREFETCH_ROWS * token_stride);
+            for (long c = 0; c < token_stride; c += 16) __builtin_prefetch(kt + PREFETCH_ROWS * token_stride + c);
             for (int h = 0; h < kv_heads; h++) {
                 const float *kh = kt + h * head_dim;
                 for (int g = 0; g < groups; g++) {
@@ -158,7 +158,7 @@ static inline __attribute__((always_inline)) void attend8(
             const int m = n - t0 < block_size ? n - t0 : block_size;
             for (int t = 0; t < m; t++) {
                 const float *vt = vb + t * token_stride;
-                __builtin_prefetch(vt + PREFETCH_ROWS * token_stride);
+                for (int c2 = 0; c2 < 8 * w; c2 += 16) __builtin_prefetch(vt + PREFETCH_ROWS * token_stride + c2);
                 vec8 x[CHUNK];
                 for (int j = 0; j < w; j++) x[j] = load8(vt + 8 * j);
                 for (int g = 0; g < groups; g++) {

@@ -56,6 +56,9 @@ class ModelRunner:
         self.cpu_kernel = False
         if self.device.type == "cpu":
             from pdlab.engine import cpu_kernel
+            from pdlab.engine.fused_linear import fuse_projections
+
+            fuse_projections(model)  # here, not at load: after any tensor-parallel sharding
 
             cfg = model.config
             heads = cfg.num_attention_heads

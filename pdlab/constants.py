@@ -13,6 +13,9 @@ DEVICE_KINDS = ("cpu", "cuda")
 TRANSPORTS = ("shm", "cuda-ipc", "host", "nixl")
 TRANSPORTS_AVAILABLE = ("shm", "cuda-ipc", "host", "nixl")  # nixl: with the optional extra pdlab[nixl]
 GPU_TRANSPORTS = ("cuda-ipc", "host")
+# Transports that hand KV over between tensor-parallel workers, by device kind (pdlab.kv.sharded; CPU groups'
+# followers keep their shards in /dev/shm for rank 0, pdlab.serve.tensor_group)
+TP_TRANSPORTS = {"cpu": ("shm", "nixl"), "cuda": ()}
 MODES = ("pull", "push")
 # NIXL (pdlab.kv.nixl): the backends an agent creates, and UCX_TLS. "auto" picks what works on the machine
 # (pdlab.recipe.nixl.resolve_ucx_tls): tcp,sm,self on a CPU box (checked: UCX's own default failed there to

@@ -184,3 +184,48 @@ def test_cli_without_nixl_says_how_to_install_it_and_starts_nothing(tmp_path):
     assert len(lines) == 1 and "variants.nixl-pull.deployment.transport: nixl needs the optional extra" in lines[0] \
         and "pip install -e '.[nixl]'" in lines[0], r.stderr
     assert not os.path.exists(out)
+
+
+@needs_nixl
+@pytest.mark.parametrize("a,b", [(1, 2), (2, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_groups_of_other_sizes_reslice_heads(a, b, mode):
+    """Tensor-parallel groups over NIXL: every destination shard gets exactly its heads of the requested
+    blocks, shard to shard where the groups line up and through a staging buffer where they do not."""
+    from pdlab.kv.sharded import ShardedPool, shard_heads
+    from pdlab.kv.transfer import make_transport
+
+    heads, shape = 4, (2, 2, 12, 4, 4, 8)
+    full = torch.randn(shape, generator=torch.Generator().manual_seed(a * 10 + b))
+    wire = lambda h: msgpack.unpackb(msgpack.packb(h, use_bin_type=True), raw=False)  # noqa: E731
+
+    def group(t, tp, fill):
+        per = (*shape[:4], heads // tp, shape[5])
+        shards = [t.kv_alloc(per, torch.float32)] + [torch.zeros(per) for _ in range(tp - 1)]
+        for r, x in enumerate(shards):
+            x.copy_(full[:, :, :, :, shard_heads(heads, tp, r)] if fill else 0)
+        for x in shards[1:]:
+            t.adopt(x)
+        handle = {"kind": "sharded", "name": f"{t.worker}-group", "kv_heads": heads,
+                  "shards": [t.export()] + [t.export_shard(x, f"{t.worker}-r{r}") for r, x in enumerate(shards[1:], 1)]}
+        return ShardedPool(shards, heads), wire(handle)
+
+    p = make_transport("nixl", f"tp-p{a}{b}{mode}", "pdlab-test-", options={"ucx_tls": "tcp,sm,self"})
+    d = make_transport("nixl", f"tp-d{a}{b}{mode}", "pdlab-test-", options={"ucx_tls": "tcp,sm,self"})
+    try:
+        src, src_handle = group(p, a, True)
+        dst, dst_handle = group(d, b, False)
+        blocks, into = [1, 2, 7, 8], [4, 5, 0, 11]
+        if mode == "pull":
+            n = d.copy(d.open(src_handle), blocks, dst, into)
+        else:
+            peer = p.open(dst_handle)
+            n = sum(p.copy(src, blocks, peer, into, layer=layer) for layer in range(shape[0]))
+        assert n == len(blocks) * full[:, :, 0].numel() * 4  # every head of every block once
+        for r, x in enumerate(dst.shards):
+            mine = shard_heads(heads, b, r)
+            assert torch.equal(x[:, :, into], full[:, :, blocks][:, :, :, :, mine])
+            assert not x[:, :, [i for i in range(shape[2]) if i not in into]].any()
+    finally:
+        p.close()
+        d.close()

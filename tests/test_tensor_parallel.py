@@ -1,7 +1,8 @@
 """Tensor parallelism inside a worker (issue 9, item 1): a unified worker on `cpu:0-1` with `tp: 2` runs one
 rank per core, each with half the heads, half the MLP and its half of the KV pool, and gives the tokens of
-one unsharded engine (and of transformers' generate), for a preset and for a saved model directory; a worker never computes silently on the first of
-several devices; killing one rank ends the run like any worker death, with nothing left behind."""
+one unsharded engine (and of transformers' generate), for a preset and for a saved model directory; a worker
+never computes silently on the first of several devices; KV handed between groups of other sizes (shm and
+nixl) gives the same tokens; killing one rank ends the run like any worker death, with nothing left behind."""
 
 import os
 import signal
@@ -12,6 +13,7 @@ import pytest
 import engine_helpers as eh
 from pdlab.engine.tensor_parallel import describe_step, local_kv_heads, read_step, tp_error
 from pdlab.recipe import RecipeError, parse_recipe
+from pdlab.recipe.nixl import nixl_module
 from pdlab.serve.cluster import RequestDone, TokenEvent, WorkerFailed
 from test_cluster import Cluster, _drain, _no_leftovers
 
@@ -53,8 +55,7 @@ def test_a_step_description_round_trips_as_plain_data():
     ({"unified": {"devices": ["cpu:0"], "tp": 2}}, "each worker has 1 device(s) (cpu:0) but tp is 2"),
     ({"unified": {"replicas": 2, "devices": ["cpu:0-3"], "tp": 4}}, "each worker has 2 device(s)"),
     ({"prefill": {"devices": ["cuda:0-1"], "tp": 2}, "decode": {"devices": ["cuda:2"]}},
-     "prefill.tp: a hand-over between tensor-parallel workers is built for transport shm only so far (not "
-     "cuda-ipc)"),
+     "prefill.tp: a hand-over between tensor-parallel workers is built not yet for cuda workers (not cuda-ipc)"),
 ])
 def test_devices_per_worker_must_equal_tp(dep, msg):
     with pytest.raises(RecipeError, match="variants.v.deployment") as e:
@@ -140,6 +141,16 @@ HETERO = [pytest.param({"prefill": {"devices": ["cpu:0"]}, "decode": {"devices":
                         "mode": mode, "share_devices": True}, id=f"1to2-{mode}") for mode in ("pull", "push")] + [
           pytest.param({"prefill": {"devices": ["cpu:0-1"], "tp": 2}, "decode": {"devices": ["cpu:1"]},
                         "mode": mode, "share_devices": True}, id=f"2to1-{mode}") for mode in ("pull", "push")]
+NIXL = {"transport": "nixl", "nixl": {"ucx_tls": "tcp,sm,self"}}
+needs_nixl = pytest.mark.skipif(nixl_module() is None, reason="NIXL not installed: pip install -e '.[nixl]'")
+# over NIXL: re-sliced through a staging buffer (1->2 pull, 2->1 push) and shard to shard (2->2)
+HETERO += [pytest.param({**NIXL, "prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:0-1"], "tp": 2},
+                         "mode": "pull", "share_devices": True}, id="nixl-1to2-pull", marks=needs_nixl),
+           pytest.param({**NIXL, "prefill": {"devices": ["cpu:0-1"], "tp": 2}, "decode": {"devices": ["cpu:1"]},
+                         "mode": "push", "share_devices": True}, id="nixl-2to1-push", marks=needs_nixl),
+           pytest.param({**NIXL, "prefill": {"devices": ["cpu:0-1"], "tp": 2},
+                         "decode": {"devices": ["cpu:0-1"], "tp": 2}, "mode": "push", "share_devices": True},
+                        id="nixl-2to2-push", marks=needs_nixl)]
 
 
 @pytest.mark.slow
@@ -159,6 +170,7 @@ def test_disaggregated_tp_a_to_b_matches_one_engine(dep):
     finally:
         c.stop()
     assert len(transfers) >= len(round1) + len(round2) - 1  # the KV moved (a 5-token prompt may be cached)
+    assert all(t.record["transport"] == dep.get("transport", "shm") for t in transfers)
     assert all(s.free_blocks == s.total_blocks for s in stats.values())
     assert _followers() == []
     _no_leftovers(pids, c.run_prefix)

@@ -17,6 +17,13 @@ prefill and decode workers reach each other only through pdlab's control plane a
 
 What UCX actually selected is read from its own log (pdlab.kv.ucx_log): `path(peer)`.
 
+Tensor-parallel groups (pdlab.kv.sharded): a group's rank 0 maps its followers' shards (CPU: in /dev/shm,
+pdlab.serve.tensor_group) and registers them with its agent (`adopt`); the group's handle lists one NIXL
+handle per shard, all of that one agent. A peer opens every shard. A hand-over between groups whose shards
+line up (same TP) is one READ / WRITE per shard pair; otherwise heads are re-sliced through a registered
+staging buffer on the initiating side: pull READs each source shard's blocks into it and copies the heads
+each local shard needs; push gathers each destination shard's heads into it and WRITEs it.
+
 CUDA: VRAM registration, device ids and a stream sync before NIXL touches the pool are written here but
 were not run (no GPU on the box this was built on).
 """
@@ -32,7 +39,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from pdlab.kv.transfer import Transport, block_bytes, copy_blocks
+from pdlab.kv.sharded import ShardedPool, as_sharded, plan
+from pdlab.kv.transfer import Transport, block_bytes, block_runs, copy_blocks
 from pdlab.kv.ucx_log import read_lanes, ucx_log_file
 from pdlab.recipe.nixl import INSTALL_HINT, nixl_module, resolve_ucx_tls
 
@@ -54,13 +62,24 @@ def load_api() -> Any:
 
 @dataclass
 class NixlPeer:
-    """A peer's pool as this agent sees it: its agent name and a prepared descriptor list over its blocks."""
+    """A peer's pool (or one shard of a peer group's pool) as this agent sees it: the peer's agent name and a
+    prepared descriptor list over its blocks."""
 
-    name: str  # the handle's name (the peer's agent name)
+    name: str  # the handle's name
     agent: str
     dlist: Any
     blocks: int
     path: str  # what UCX selected towards this peer
+    shape: tuple = ()
+
+
+@dataclass
+class _Local:
+    """A registered local tensor: the pool, a follower's shard or a staging buffer."""
+
+    tensor: torch.Tensor
+    reg: Any
+    dlist: Any
 
 
 class NixlTransport(Transport):
@@ -84,39 +103,62 @@ class NixlTransport(Transport):
             raise RuntimeError(f"NIXL backend {', '.join(missing)} not created (plugins here: "
                                f"{', '.join(self.agent.plugin_list)}; UCX_TLS={self.ucx_tls})")
         self.backends = list(backends)
-        self.reg: Any = None
-        self.local: Any = None  # prepared descriptor list over our own pool
         self.mem = "VRAM" if self.device.type == "cuda" else "DRAM"
+        self._locals: dict[int, _Local] = {}  # by data_ptr: our pool, adopted shards, staging buffers
+        self._staging: dict[tuple, _Local] = {}  # by shard shape without the block count
+        self._agents: dict[str, tuple[str, str]] = {}  # peer agent name -> (NIXL's name for it, UCX path)
+
+    @property
+    def local(self) -> Any:
+        """The prepared descriptor list over our own pool."""
+        entry = self._locals.get(self.pool.data_ptr()) if self.pool is not None else None
+        return entry.dlist if entry is not None else None
 
     # ---- our pool ----
     def kv_alloc(self, shape: Sequence[int], dtype: torch.dtype, device: object = None) -> torch.Tensor:
         self.pool = torch.zeros(tuple(shape), dtype=dtype, device=self.device)  # private memory, not /dev/shm
-        self.reg = self.agent.register_memory(self.pool)
-        self.local = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descriptors(self.pool.data_ptr(), shape,
-                                                self.pool.element_size(), _dev(self.pool)), self.mem)
+        self.adopt(self.pool)
         return self.pool
+
+    def adopt(self, t: torch.Tensor) -> None:
+        """Register a local tensor of pool layout (a follower's shard this process mapped) with our agent."""
+        if t.data_ptr() in self._locals:
+            return
+        reg = self.agent.register_memory(t)
+        dlist = self.agent.prep_xfer_dlist("NIXL_INIT_AGENT", descriptors(t.data_ptr(), t.shape, t.element_size(),
+                                           _dev(t)), self.mem)
+        self._locals[t.data_ptr()] = _Local(t, reg, dlist)
 
     def export(self) -> dict:
         assert self.pool is not None, "pool not allocated yet"
-        return {"kind": "nixl", "name": self.agent_name, "metadata": self.agent.get_agent_metadata(),
-                "addr": int(self.pool.data_ptr()), "shape": list(self.pool.shape),
-                "dtype": str(self.pool.dtype).split(".")[-1], "mem": self.mem, "dev": _dev(self.pool),
-                "host": socket.gethostname(), "ucx_tls": self.ucx_tls}
+        return self.export_shard(self.pool, self.agent_name)
+
+    def export_shard(self, t: torch.Tensor, name: str) -> dict:
+        self.adopt(t)
+        return {"kind": "nixl", "name": name, "agent": self.agent_name, "metadata": self.agent.get_agent_metadata(),
+                "addr": int(t.data_ptr()), "shape": list(t.shape), "dtype": str(t.dtype).split(".")[-1],
+                "mem": self.mem, "dev": _dev(t), "host": socket.gethostname(), "ucx_tls": self.ucx_tls}
 
     # ---- peers ----
     def _open(self, h: dict) -> NixlPeer:
         assert self.pool is not None, "pool not allocated yet"
         shape = tuple(h["shape"])
-        if shape[0] != self.pool.shape[0] or shape[1] != 2 or shape[3:] != tuple(self.pool.shape[3:]) or \
+        mine = tuple(self.pool.shape)
+        # KV heads per shard may differ (tensor-parallel groups of other sizes): re-sliced in the copy
+        if shape[0] != mine[0] or shape[1] != 2 or shape[3] != mine[3] or shape[5] != mine[5] or \
                 h["dtype"] != str(self.pool.dtype).split(".")[-1]:
-            raise ValueError(f"peer pool {h['name']} is {shape} {h['dtype']}, ours {tuple(self.pool.shape)} "
+            raise ValueError(f"peer pool {h['name']} is {shape} {h['dtype']}, ours {mine} "
                              f"{self.pool.dtype}: block layouts differ")
-        agent = self.agent.add_remote_agent(h["metadata"])
-        agent = agent.decode() if isinstance(agent, bytes) else agent
-        self.agent.make_connection(agent)  # the endpoint now, not at the first transfer (and its lanes logged)
+        key = h.get("agent", h["name"])
+        if key not in self._agents:  # a group's shards are all of one agent: load and connect it once
+            agent = self.agent.add_remote_agent(h["metadata"])
+            agent = agent.decode() if isinstance(agent, bytes) else agent
+            self.agent.make_connection(agent)  # the endpoint now, not at the first transfer (and its lanes logged)
+            self._agents[key] = (agent, self._lanes(agent))
+        agent, path = self._agents[key]
         dlist = self.agent.prep_xfer_dlist(agent, descriptors(h["addr"], shape, self.pool.element_size(), h["dev"]),
                                            h["mem"])
-        return NixlPeer(h["name"], agent, dlist, shape[2], self._lanes(agent))
+        return NixlPeer(h["name"], agent, dlist, shape[2], path, shape)
 
     def _lanes(self, agent: str) -> str:
         deadline = time.monotonic() + 1.0  # UCX writes the line as it creates the endpoint
@@ -130,28 +172,39 @@ class NixlTransport(Transport):
     def path(self, peer: str) -> str:
         """What the hand-over to/from `peer` (its handle name) actually went through."""
         p = self._peers.get(peer)
+        if isinstance(p, ShardedPool):
+            p = p.shards[0]
         return p.path if isinstance(p, NixlPeer) else self.name
 
     # ---- the hand-over ----
     def copy(self, src: Any, src_blocks: Sequence[int], dst: Any, dst_blocks: Sequence[int],
              layer: Optional[int] = None, non_blocking: bool = False) -> int:
-        """READ (src is a peer) or WRITE (dst is a peer) these blocks, all layers or one; returns the bytes."""
+        """READ (src is a peer) or WRITE (dst is a peer) these blocks, all layers or one; returns the bytes.
+        Either side may be a tensor-parallel group's pool (ShardedPool): shard by shard, heads re-sliced."""
+        if len(src_blocks) != len(dst_blocks):
+            raise ValueError(f"block lists differ in length: {len(src_blocks)} source, {len(dst_blocks)} destination")
+        if isinstance(src, ShardedPool) or isinstance(dst, ShardedPool):
+            return self._copy_sharded(src, src_blocks, dst, dst_blocks, layer)
         if isinstance(src, NixlPeer):
-            op, peer, mine, theirs = "READ", src, dst_blocks, src_blocks
-        elif isinstance(dst, NixlPeer):
-            op, peer, mine, theirs = "WRITE", dst, src_blocks, dst_blocks
-        else:  # both local (not a hand-over between workers)
-            return copy_blocks(src, src_blocks, dst, dst_blocks, layer=layer, non_blocking=non_blocking)
-        if len(mine) != len(theirs):
-            raise ValueError(f"block lists differ in length: {len(mine)} local, {len(theirs)} remote")
-        if not mine:
+            return self._xfer("READ", dst, dst_blocks, src, src_blocks, layer)
+        if isinstance(dst, NixlPeer):
+            return self._xfer("WRITE", src, src_blocks, dst, dst_blocks, layer)
+        # both local (not a hand-over between workers)
+        return copy_blocks(src, src_blocks, dst, dst_blocks, layer=layer, non_blocking=non_blocking)
+
+    def _xfer(self, op: str, local: torch.Tensor, mine: Sequence[int], peer: NixlPeer, theirs: Sequence[int],
+              layer: Optional[int]) -> int:
+        """One READ into / WRITE from a registered local tensor; blocks until NIXL reports it DONE."""
+        if not len(mine):
             return 0
-        if self.pool.device.type == "cuda":  # NIXL is not stream-ordered: the KV must be computed first
-            torch.cuda.current_stream(self.pool.device).synchronize()
-        layers = self.pool.shape[0]
-        local = block_indices(mine, self.pool.shape[2], layers, layer)
-        remote = block_indices(theirs, peer.blocks, layers, layer)
-        handle = self.agent.make_prepped_xfer(op, self.local, local, peer.dlist, remote)
+        entry = self._locals.get(local.data_ptr())
+        if entry is None:
+            raise RuntimeError(f"{self.worker}: a local tensor not registered with NIXL took part in a {op}")
+        if local.device.type == "cuda":  # NIXL is not stream-ordered: the KV must be computed first
+            torch.cuda.current_stream(local.device).synchronize()
+        layers = local.shape[0]
+        handle = self.agent.make_prepped_xfer(op, entry.dlist, block_indices(mine, local.shape[2], layers, layer),
+                                              peer.dlist, block_indices(theirs, peer.blocks, layers, layer))
         done = False
         try:
             state = self.agent.transfer(handle)
@@ -171,22 +224,88 @@ class NixlTransport(Transport):
             except Exception:  # noqa: BLE001 - after a failure, that failure is the one to report
                 if done:
                     raise
-        return len(mine) * block_bytes(self.pool) // (1 if layer is None else layers)
+        return len(mine) * block_bytes(local) // (1 if layer is None else layers)
+
+    def _copy_sharded(self, src: Any, src_blocks: Sequence[int], dst: Any, dst_blocks: Sequence[int],
+                      layer: Optional[int]) -> int:
+        heads = (src if isinstance(src, ShardedPool) else dst).kv_heads
+        s_pool, d_pool = as_sharded(src, heads), as_sharded(dst, heads)
+        pairs = plan(s_pool, d_pool)
+        n = len(src_blocks)
+        if not n:
+            return 0
+        staged = list(range(n))
+        total = 0
+        if isinstance(s_pool.shards[0], NixlPeer):  # pull: READ each source shard, re-slice into ours
+            for i, peer in enumerate(s_pool.shards):
+                mine = [(j, sl, dl) for ii, j, sl, dl in pairs if ii == i]
+                j, sl, dl = mine[0]
+                if len(mine) == 1 and _whole(sl, peer.shape[4]) and _whole(dl, d_pool.shards[j].shape[4]):
+                    total += self._xfer("READ", d_pool.shards[j], dst_blocks, peer, src_blocks, layer)
+                    continue
+                stage = self._stage(peer.shape, n)
+                total += self._xfer("READ", stage, staged, peer, src_blocks, layer)
+                for j, sl, dl in mine:
+                    _copy_heads(stage, staged, sl, d_pool.shards[j], dst_blocks, dl, layer)
+            return total
+        for j, peer in enumerate(d_pool.shards):  # push: gather each destination shard's heads, WRITE it
+            theirs = [(i, sl, dl) for i, jj, sl, dl in pairs if jj == j]
+            i, sl, dl = theirs[0]
+            if len(theirs) == 1 and _whole(sl, s_pool.shards[i].shape[4]) and _whole(dl, peer.shape[4]):
+                total += self._xfer("WRITE", s_pool.shards[i], src_blocks, peer, dst_blocks, layer)
+                continue
+            stage = self._stage(peer.shape, n)
+            for i, sl, dl in theirs:
+                _copy_heads(s_pool.shards[i], src_blocks, sl, stage, staged, dl, layer)
+            total += self._xfer("WRITE", stage, staged, peer, dst_blocks, layer)
+        return total
+
+    def _stage(self, shape: Sequence[int], blocks: int) -> torch.Tensor:
+        """A registered staging buffer laid out like a shard of `shape`, with room for `blocks` blocks (kept
+        and grown, so registration is paid once per size class, not per hand-over)."""
+        key = (tuple(shape[:2]), tuple(shape[3:]))
+        have = self._staging.get(key)
+        if have is None or have.tensor.shape[2] < blocks:
+            if have is not None:
+                self._drop(have)
+            cap = max(blocks, 2 * have.tensor.shape[2] if have is not None else 16)
+            t = torch.zeros((shape[0], shape[1], cap, *shape[3:]), dtype=self.pool.dtype, device=self.pool.device)
+            self.adopt(t)
+            have = self._staging[key] = self._locals[t.data_ptr()]
+        return have.tensor
+
+    def _drop(self, entry: _Local) -> None:
+        self._locals.pop(entry.tensor.data_ptr(), None)
+        _quietly(entry.dlist.release)
+        _quietly(self.agent.deregister_memory, entry.reg)
 
     copy.host_driven = True  # type: ignore[attr-defined]  # a blocking call: copiers run it on a thread
 
     def close(self) -> None:
         for p in self._peers.values():
-            if isinstance(p, NixlPeer):
-                _quietly(p.dlist.release)
-                _quietly(self.agent.remove_remote_agent, p.agent)
+            for shard in (p.shards if isinstance(p, ShardedPool) else [p]):
+                if isinstance(shard, NixlPeer):
+                    _quietly(shard.dlist.release)
+        for agent, _ in self._agents.values():
+            _quietly(self.agent.remove_remote_agent, agent)
+        self._agents.clear()
         super().close()
-        if self.local is not None:
-            _quietly(self.local.release)
-            self.local = None
-        if self.reg is not None:
-            _quietly(self.agent.deregister_memory, self.reg)
-            self.reg = None
+        for entry in list(self._locals.values()):
+            self._drop(entry)
+        self._staging.clear()
+
+
+def _whole(sl: slice, heads: int) -> bool:
+    return sl.start == 0 and sl.stop == heads
+
+
+def _copy_heads(src: torch.Tensor, src_blocks: Sequence[int], sh: slice, dst: torch.Tensor,
+                dst_blocks: Sequence[int], dh: slice, layer: Optional[int]) -> None:
+    """dst[..., dst_blocks, :, dh, :] = src[..., src_blocks, :, sh, :], all layers or one (local tensors)."""
+    sa = src if layer is None else src[layer:layer + 1]
+    db = dst if layer is None else dst[layer:layer + 1]
+    for s0, d0, n in block_runs(src_blocks, dst_blocks):
+        db[:, :, d0:d0 + n, :, dh].copy_(sa[:, :, s0:s0 + n, :, sh])
 
 
 def descriptors(base: int, shape: Sequence[int], itemsize: int, dev: int) -> np.ndarray:

@@ -157,6 +157,15 @@ class Transport:
                 self._peers[key] = self._open(handle)
         return self._peers[key]
 
+    def adopt(self, t: torch.Tensor) -> None:
+        """Make a local tensor of pool layout (a follower's shard this process mapped) usable in hand-overs
+        (nixl: register it with the agent)."""
+
+    def export_shard(self, t: torch.Tensor, name: str) -> dict:
+        """The handle of a follower's KV shard this process mapped (a tensor-parallel group's rank 0), named
+        `name`: one entry of the group's handle (pdlab.serve.tensor_group)."""
+        raise NotImplementedError(f"transport {self.name} has no tensor-parallel hand-over")
+
     def exchange(self) -> torch.Tensor:
         """What peers read from / write into: the pool itself, or its host mirror."""
         assert self.pool is not None
@@ -205,6 +214,9 @@ class ShmTransport(Transport):
         seg = self.alloc.segment
         assert seg is not None, "pool not allocated yet"
         return {"kind": "shm", "name": seg.name, "shape": list(seg.shape), "dtype": str(seg.dtype).split(".")[-1]}
+
+    def export_shard(self, t: torch.Tensor, name: str) -> dict:
+        return {"kind": "shm", "name": name, "shape": list(t.shape), "dtype": str(t.dtype).split(".")[-1]}
 
     def _open(self, handle: dict) -> torch.Tensor:
         return shm.attach(handle["name"], handle["shape"], getattr(torch, handle["dtype"])).tensor

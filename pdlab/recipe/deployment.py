@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdlab.constants import (DEPLOYMENT_KINDS, FIRST_TOKEN_FROM, GPU_TRANSPORTS, MODES, REMOTE_PREFILL_MIN_TOKENS,
-                             STEP_TIMEOUT_S, TRANSFER_FAILURE_POLICIES, TRANSFER_FAILURE_POLICY, TRANSFER_TIMEOUT_S,
-                             TRANSPORTS)
+                             STEP_TIMEOUT_S, TP_TRANSPORTS, TRANSFER_FAILURE_POLICIES, TRANSFER_FAILURE_POLICY,
+                             TRANSFER_TIMEOUT_S, TRANSPORTS)
 from pdlab.devices import format_devices, overlaps, parse_devices
 from pdlab.fields import (RecipeError, Section, as_mapping, key_of, one_of, optional, section, spec, to_bool,
                           to_float, to_int)
@@ -208,9 +208,11 @@ class Deployment(Section):
                 raise RecipeError(f"{where}.transport: nixl needs the optional extra, not installed here: "
                                   f"{INSTALL_HINT}")
             for role in self.roles:
-                if groups[role].tp > 1 and transport != "shm":
+                ok = TP_TRANSPORTS[kind]
+                if groups[role].tp > 1 and transport not in ok:
+                    built = f"for transport {' or '.join(ok)} only" if ok else f"not yet for {kind} workers"
                     raise RecipeError(f"{key_of(where, role)}.tp: a hand-over between tensor-parallel workers is "
-                                      f"built for transport shm only so far (not {transport}); use tp: 1 here")
+                                      f"built {built} (not {transport}); use tp: 1 here")
         nixl = self.nixl
         if transport == "nixl":
             nixl = nixl or NixlConfig()

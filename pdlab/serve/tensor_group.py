@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from pdlab.constants import STEP_TIMEOUT_S, STOP_TIMEOUT_S
+from pdlab.constants import STEP_TIMEOUT_S, STOP_TIMEOUT_S, TP_TRANSPORTS
 
 
 def _init(rank: int, world: int, store_dir: str, cuda: bool, timeout_s: float) -> Any:
@@ -101,11 +101,15 @@ class TensorGroup:
         self.channel.send(OP_STEP, num_blocks.to_bytes(8, "little"))
         self.channel.barrier()
 
-    def export(self, own: dict, kv_heads: int) -> dict:
-        """The group's pool handle for peers: rank 0's shard handle, and the followers' (same shape, their
-        segment names), so a peer can re-slice heads across groups of different sizes (pdlab.kv.sharded)."""
-        shards = [own] + [dict(own, name=shard_segment(self.spec, r)) for r in range(1, self.spec.tp)]
-        return {"kind": "sharded", "name": f"{own['name']}-group", "kv_heads": kv_heads, "shards": shards}
+    def export(self, transport: Any, pool: Any) -> dict:
+        """The group's pool handle for peers: rank 0's shard handle, then each follower's shard as this
+        process mapped it (shm: its segment; nixl: registered with rank 0's agent), so a peer can re-slice
+        heads across groups of different sizes (pdlab.kv.sharded)."""
+        for t in pool.shards[1:]:  # every shard first: a NIXL agent's metadata must list them all
+            transport.adopt(t)
+        own = transport.export()
+        shards = [own] + [transport.export_shard(t, shard_segment(self.spec, r)) for r, t in enumerate(pool.shards[1:], 1)]
+        return {"kind": "sharded", "name": f"{own['name']}-group", "kv_heads": pool.kv_heads, "shards": shards}
 
     def pool(self, own: Any, kv_heads: int) -> Any:
         """This group's pool as rank 0 copies into or out of it: its own shard and the followers' mapped."""
@@ -141,6 +145,9 @@ class TensorGroup:
         shutil.rmtree(self.store_dir, ignore_errors=True)
         if self.fast is not None:
             self.fast.close()
+
+
+SHARD_IN_SHM = TP_TRANSPORTS["cpu"]  # rank 0 maps its followers' shards from /dev/shm for these hand-overs
 
 
 def shard_segment(spec: Any, rank: int) -> str:
@@ -183,7 +190,7 @@ def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
     param = next(model.parameters())
     shape = (dims["layers"], 2, blocks, spec.engine.block_size, dims["kv_heads"], dims["head_dim"])
     alloc = None
-    if spec.role != "unified" and spec.transport == "shm":  # rank 0 hands this shard over: in /dev/shm
+    if spec.role != "unified" and spec.transport in SHARD_IN_SHM:  # rank 0 hands this shard over: /dev/shm
         from pdlab.kv.shm import ShmAllocator
 
         alloc = ShmAllocator(shard_segment(spec, rank))

@@ -152,11 +152,12 @@ class Worker:
 
         handle, self.pool = None, self.engine.kv  # what hand-overs copy into / out of: the whole group's pool
         if self.transport is not None:
-            handle = self.transport.export()
             if self.tp is not None:
                 kv_heads = self.model.config.num_key_value_heads or self.model.config.num_attention_heads
-                handle = self.tp.export(handle, kv_heads)
                 self.pool = self.tp.pool(self.engine.kv, kv_heads)
+                handle = self.tp.export(self.transport, self.pool)
+            else:
+                handle = self.transport.export()
         self.handler = RoleHandler(self)
         fp = {}
         if self.transport is not None:

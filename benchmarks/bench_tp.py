@@ -5,7 +5,8 @@
      all-reduces (target: under 15%; measured on rank 0, so waiting for the slower rank counts);
   3. token parity of the two on the measured requests (greedy);
   4. a KV hand-over of 2,000 tokens between groups of TP 1->2 and 2->1 against 1->1 and 2->2 (heads
-     re-sliced; target: at least 70% of the same-TP bandwidth), in this process.
+     re-sliced; target: at least 70% of the same-TP bandwidth), in this process: shm-like memory, and over
+     NIXL (two agents, UCX tcp,sm,self; pull READs) where the nixl extra is installed.
 
     python benchmarks/bench_tp.py                    # cpu-demo, float32, cores 0 and 1
     python benchmarks/bench_tp.py --preset tiny-llama --reps 3
@@ -104,6 +105,55 @@ def handover(preset: str, dtype: str, tokens: int, reps: int) -> dict:
     return out
 
 
+def handover_nixl(preset: str, dtype: str, tokens: int, reps: int) -> dict:
+    """The same hand-overs over NIXL, pulled (the decode side READs): a == b moves shard to shard, a != b
+    through the reader's staging buffer. Two agents in this process; None without the nixl extra."""
+    from pdlab.recipe.nixl import nixl_module
+
+    if nixl_module() is None:
+        return {"skipped": "nixl extra not installed"}
+    from pdlab.engine.model import PRESETS
+    from pdlab.kv.sharded import ShardedPool, shard_heads
+    from pdlab.kv.transfer import make_transport
+
+    p = PRESETS[preset]
+    bs, head_dim = 16, p.head_dim or p.hidden_size // p.heads
+    nb = -(-tokens // bs)
+    dt = getattr(torch, dtype)
+    out = {}
+    for a, b in ((1, 1), (2, 2), (1, 2), (2, 1)):
+        ends = [make_transport("nixl", f"bench-{side}{a}{b}", "pdlab-bench-", options={"ucx_tls": "tcp,sm,self"})
+                for side in "pd"]
+        try:
+            pools, handles = [], []
+            for t, tp in zip(ends, (a, b)):
+                per = [(p.layers, 2, 2 * nb, bs, len(shard_heads(p.kv_heads, tp, r)), head_dim) for r in range(tp)]
+                shards = [t.kv_alloc(per[0], dt)] + [torch.zeros(x, dtype=dt) for x in per[1:]]
+                for x in shards:
+                    x.normal_()
+                for x in shards[1:]:
+                    t.adopt(x)
+                pools.append(ShardedPool(shards, p.kv_heads))
+                handles.append({"kind": "sharded", "name": f"{t.worker}-group", "kv_heads": p.kv_heads,
+                                "shards": [t.export()] + [t.export_shard(x, f"{t.worker}-r{r}")
+                                                          for r, x in enumerate(shards[1:], 1)]})
+            src = ends[1].open(handles[0])
+            times, n = [], 0
+            for _ in range(reps + 1):  # the first also grows the staging buffer: not counted
+                t0 = time.perf_counter()
+                n = ends[1].copy(src, list(range(nb)), pools[1], list(range(nb, 2 * nb)))
+                times.append(time.perf_counter() - t0)
+            med = statistics.median(times[1:])
+            out[f"{a}->{b}"] = {"ms": 1000 * med, "GB/s": n / med / 1e9}
+        finally:
+            for t in ends:
+                t.close()
+    for k in ("1->2", "2->1"):
+        same = out["2->2"]["GB/s"] if k == "1->2" else out["1->1"]["GB/s"]
+        out[k]["vs same TP"] = out[k]["GB/s"] / same
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="cpu-demo")
@@ -149,6 +199,7 @@ def main() -> int:
         "prefill_comm_share_note": "all-reduce time on rank 0, waiting for rank 1 included",
         "tokens_equal": f"{same}/{args.reps + args.reps * args.batch}",
         "handover": handover(args.preset, args.dtype, args.handover_tokens, max(args.reps, 5)),
+        "handover_nixl": handover_nixl(args.preset, args.dtype, args.handover_tokens, max(args.reps, 5)),
     }
     print(json.dumps(report, indent=2))
     return 0

@@ -140,3 +140,34 @@ def test_the_simulator_refuses_selective_routing_rather_than_ignore_it(tmp_path)
                        capture_output=True, text=True, timeout=120, cwd=root)
     assert r.returncode == 2 and "variants.selective-256.deployment.route" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_remote_hand_over_goes_where_the_prefix_is_cached(mode):
+    """Without selective routing too, a long prompt's KV goes to the decode worker that already holds its
+    prefix (fewer blocks to move), unless that worker has no room for the rest."""
+    from pdlab.serve.router import Router, WorkerState
+
+    states = [WorkerState("prefill0", "prefill", ["cpu:0"]), WorkerState("decode0", "decode", ["cpu:1"]),
+              WorkerState("decode1", "decode", ["cpu:1"])]
+    for w in states:
+        w.block_size, w.kv_blocks = BS, 64
+    states[1].free_blocks, states[2].free_blocks = 20, 60
+    states[1].cache.apply(prefix_keys(PREFIX, BS), [])  # decode0 holds the 40-token prefix
+    router = Router(None, states, mode=mode, first_token="decode", transfer_timeout_s=1, heartbeat_timeout_s=1,
+                    step_timeout_s=1)
+    sent: list = []
+    router.send = lambda worker, msg: sent.append((worker, type(msg).__name__))
+    long = PREFIX + eh.prompts([60], seed=4)[0]
+    want = "Reserve"
+    router.submit("long", long, {"max_tokens": 2})
+    if mode == "pull":  # the decode worker is chosen when the prefill is done: ask the choice itself
+        assert router._decode_with_room(router.reqs["long"]).name == "decode0"
+    else:
+        assert sent[-1] == ("decode0", want)
+    states[1].free_blocks = 2  # decode0 has no room for the 60 uncached tokens: decode1
+    router.submit("long2", PREFIX + eh.prompts([60], seed=5)[0], {"max_tokens": 2})
+    if mode == "pull":
+        assert router._decode_with_room(router.reqs["long2"]).name == "decode1"
+    else:
+        assert sent[-1] == ("decode1", want)

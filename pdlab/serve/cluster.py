@@ -100,7 +100,7 @@ class Cluster:
                                   nixl=d.nixl.to_raw() if d.nixl and d.transport == "nixl" else None,
                                   memory_share=p.memory_share, host_cores=p.host_cores,
                                   peers=tuple(o.name for o in d.workers if d.disaggregated and o.role != p.worker.role),
-                                  report_cache=p.worker.role == "decode" and d.route.selective)
+                                  report_cache=p.worker.role == "decode" and self._mirror_caches(d))
                 w.proc = ctx.Process(target=run_worker, args=(spec.to_raw(),), name=f"pdlab-{p.worker.name}",
                                      daemon=True)
                 w.proc.start()
@@ -109,6 +109,15 @@ class Cluster:
         except BaseException:
             self.stop()
             raise
+
+    def _mirror_caches(self, d: Any) -> bool:
+        """Decode workers report their prefix-cache changes to the router (pdlab.serve.mirror) where its
+        choice of decode worker can use them: selective routing, or several decode workers with the prefix
+        cache on (a hand-over then goes where most of the prompt is cached)."""
+        if not d.disaggregated:
+            return False
+        decoders = sum(1 for w in d.workers if w.role == "decode")
+        return d.route.selective or (decoders > 1 and bool(getattr(self.engine, "prefix_caching", False)))
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -124,9 +124,21 @@ class Router(HandOverFailures):
 
     def _prefill_locally(self, req: _Req) -> bool:
         """Selective routing: a prompt with fewer uncached tokens than the threshold, after what the chosen
-        decode worker holds in its prefix cache, is prefilled by that decode worker. The worker is the one
-        that holds the most of the prompt among those with room for the rest (prefix-aware, as llm-d scores
-        its KV-cache events), else the one with the most room."""
+        decode worker (`_decode_for`) holds in its prefix cache, is prefilled by that decode worker."""
+        d, cached = self._decode_for(req)
+        if d is None or len(req.prompt_ids) - cached >= self.remote_min:
+            return False
+        req.prefill = req.decode = d.name
+        req.route = "local"
+        self._give(req, d.name, m.Submit(req.req_id, req.prompt_ids, req.params))
+        return True
+
+    def _decode_for(self, req: _Req) -> tuple[Optional[WorkerState], int]:
+        """The decode worker for a request, and the prompt tokens it holds: the one that holds the most of the
+        prompt in its prefix cache among those with room for the rest (prefix-aware, as llm-d scores its
+        KV-cache events: a remote hand-over then moves fewer blocks, a selective local prefill computes fewer
+        tokens), else the one with the most room. Without cache reports (one decode worker, no prefix
+        cache) every mirror is empty and this is the most room."""
         best: Optional[tuple] = None
         for w in self._of("decode"):
             cached = w.cache.cached_tokens(req.prompt_ids, w.block_size)
@@ -134,14 +146,8 @@ class Router(HandOverFailures):
             fits = room >= cdiv(len(req.prompt_ids) - cached, max(1, w.block_size))
             key = (fits, cached if fits else 0, room, -len(w.holds), w.name)
             if best is None or key > best[0]:
-                best = (key, w, cached)
-        if best is None or len(req.prompt_ids) - best[2] >= self.remote_min:
-            return False
-        d = best[1]
-        req.prefill = req.decode = d.name
-        req.route = "local"
-        self._give(req, d.name, m.Submit(req.req_id, req.prompt_ids, req.params))
-        return True
+                best = (key, w, cached if fits else 0)
+        return (None, 0) if best is None else (best[1], best[2])
 
     def _least_loaded(self, role: str) -> Optional[WorkerState]:
         ws = self._of(role)
@@ -154,8 +160,7 @@ class Router(HandOverFailures):
         return w.free_blocks - inflight
 
     def _decode_with_room(self, req: _Req) -> Optional[WorkerState]:
-        ws = self._of("decode")
-        return max(ws, key=lambda w: (self._room(w, req), -len(w.holds), w.name)) if ws else None
+        return self._decode_for(req)[0]
 
     @staticmethod
     def _blocks(req: _Req, w: WorkerState) -> int:

@@ -63,6 +63,9 @@ def _one_repeat(reqs, steps, repeat, itl_bad, ttft_bad, out_tok_gap):
 def test_describe_deployment():
     assert describe_deployment(DEPS["unified"]) == "unified 1x[cpu:0]"
     assert describe_deployment(DEPS["disagg"]) == "1P[cpu:0] + 1D[cpu:1] shm push"
+    timing = {"name": "mi300x-tp4", "devices": 4}  # modelled: what each worker stands for, not its stand-in
+    assert describe_deployment(DEPS["disagg"], timing) == "1P[4 dev: mi300x-tp4] + 1D[4 dev: mi300x-tp4] shm push (modelled)"
+    assert describe_deployment(DEPS["unified"], timing) == "unified 1x[4 dev: mi300x-tp4] (modelled)"
 
 
 def test_compare_rows_and_verdict(tmp_path):

@@ -1,5 +1,6 @@
-"""pdlab's CPU decode-attention kernel: built here, equal to SDPA on paged K/V, and the engine's torch path
-where it cannot be built."""
+"""pdlab's CPU kernels: built here; decode attention equal to SDPA on paged K/V, causal prefill attention
+equal to SDPA, rotary equal to transformers bit for bit; the engine's torch paths where they cannot be
+built."""
 
 import os
 import shutil
@@ -98,17 +99,19 @@ def test_a_cached_build_is_reused(tmp_path, monkeypatch):
 @pytest.mark.parametrize("kernel", [True, False])
 def test_engine_matches_transformers_with_and_without_the_kernel(preset, kernel, monkeypatch):
     """Both decode paths of a CPU engine give transformers' greedy tokens; the kernel path really ran."""
-    calls = []
-    real = cpu_kernel.decode_attention
+    calls, prefills = [], []
+    real, real_prefill = cpu_kernel.decode_attention, cpu_kernel.prefill_attention
     monkeypatch.setattr(cpu_kernel, "decode_attention", lambda *a: (calls.append(1), real(*a)))
+    monkeypatch.setattr(cpu_kernel, "prefill_attention", lambda *a: (prefills.append(1), real_prefill(*a)))
     if not kernel:
         monkeypatch.setattr(cpu_kernel, "usable", lambda *a: False)
+        monkeypatch.setattr(cpu_kernel, "prefill_usable", lambda *a: False)
     reqs = prompts([5, 17, 40, 33, 64, 1, 90])
     eng = engine(preset, block_size=16, kv_blocks=128)
     outs, _ = run(eng, reqs, max_tokens=24)
     ref = reference(preset)
     assert outs == {str(i): hf_greedy(ref, p, 24) for i, p in enumerate(reqs)}
-    assert bool(calls) == kernel
+    assert bool(calls) == kernel and bool(prefills) == kernel
     eng.check_idle()
 
 
@@ -150,3 +153,33 @@ def test_rotary_is_transformers_bit_for_bit(preset):
     finally:
         attention.set_context(None)
         cpu_kernel.rotary = real
+
+
+@needs_cc
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (16, 8, 64), (8, 8, 128), (4, 1, 16), (16, 2, 32)])
+@pytest.mark.parametrize("n", [1, 7, 16, 33, 300])
+def test_prefill_matches_causal_sdpa(heads, kv_heads, head_dim, n):
+    """One chunk over itself, causally, for views with row strides as the packed batch has them (and a V whose
+    rows are wider than its heads, as the fused q/k/v projection leaves them)."""
+    if heads // kv_heads > cpu_kernel.PREFILL_ROWS:
+        assert not cpu_kernel.prefill_usable(torch.float32, heads, kv_heads, head_dim)
+        return
+    torch.manual_seed(n * 7 + head_dim)
+    rows = n + 5
+    q = torch.randn(rows, heads, head_dim)[2:2 + n]
+    k = torch.randn(rows, kv_heads, head_dim)[2:2 + n]
+    v = torch.randn(rows, 3 * kv_heads, head_dim)[2:2 + n, kv_heads:2 * kv_heads]
+    out = torch.full((n + 3, heads, head_dim), float("nan"))
+    cpu_kernel.prefill_attention(q, k, v, head_dim ** -0.5, out[1:1 + n])
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         is_causal=True, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(out[1:1 + n], ref, rtol=1e-5, atol=1e-5)
+    assert torch.isnan(out[0]).all() and torch.isnan(out[1 + n:]).all()
+
+
+@needs_cc
+def test_prefill_limits():
+    assert cpu_kernel.prefill_usable(torch.float32, 8, 2, 32)
+    assert not cpu_kernel.prefill_usable(torch.float32, 8, 2, 24)  # head_dim not a multiple of 16
+    assert not cpu_kernel.prefill_usable(torch.float32, 16, 1, 64)  # 16 query heads per K/V head
+    assert not cpu_kernel.prefill_usable(torch.bfloat16, 8, 2, 32)

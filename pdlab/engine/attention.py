@@ -9,8 +9,9 @@ attend each request to its own context:
   contiguous contexts in place (`_attend_in_place`), the others in one padded SDPA call over K/V gathered from their blocks, the query
   heads that share a K/V head laid out as rows of one query (25-35% faster than `enable_gqa` on CPU, and
   exact: with one query token no row masks another);
-- prefill chunks one SDPA call each: plain causal over the chunk's own K/V when the request has no
-  earlier context (the common case), else over K/V gathered from its blocks with an offset causal mask.
+- prefill chunks one call each: plain causal over the chunk's own K/V when the request has no earlier
+  context (the common case; CPU float32: pdlab's C kernel, else SDPA), else SDPA over K/V gathered from its
+  blocks with an offset causal mask.
 GQA uses SDPA's `enable_gqa`, so K/V heads are never repeated (CPU). On CUDA the runner picks a fused kernel
 instead (pdlab.engine.cuda_attention): flash-attn's varlen call (`ctx.flash`), or SDPA with K/V heads expanded
 (`ctx.expand_kv`), since a masked `enable_gqa` call there falls back to the math kernel.
@@ -53,6 +54,7 @@ class AttnContext:
     decode_views: list[tuple[int, int, int]] = field(default_factory=list)  # (row, first block, context len)
     layer_hook: Optional[Callable[[int], None]] = None
     decode_batch: Optional[Any] = None  # CPU float32: every decode request, for pdlab.engine.cpu_kernel
+    prefill_kernel: bool = False  # CPU float32: a chunk without earlier context through cpu_kernel's prefill
     flash: Optional[FlashMeta] = None  # CUDA, kernel flash-attn: the whole batch in one varlen call
     expand_kv: bool = False  # CUDA, kernel sdpa-expanded: K/V heads repeated instead of enable_gqa
 
@@ -114,6 +116,11 @@ def paged_attention(
         _attend_in_place(q, out, k_blocks, v_blocks, ctx.decode_views, scaling)
     for seg in ctx.prefills:
         qs = q[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if seg.blocks is None and ctx.prefill_kernel:
+            cpu_kernel.prefill_attention(q[seg.q_start:seg.q_end], k[seg.q_start:seg.q_end], v[seg.q_start:seg.q_end],
+                                         scaling if scaling is not None else head_dim ** -0.5,
+                                         out[seg.q_start:seg.q_end])
+            continue
         if seg.blocks is None:
             ks = k[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)
             vs = v[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)

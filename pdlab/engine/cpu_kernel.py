@@ -40,10 +40,12 @@ BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]  # vectorised for this
 FLAGS = {"decode_attention": BASE_FLAGS + ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
                                            "-fno-trapping-math"],
          "rotary": BASE_FLAGS + ["-ffp-contract=off"]}
+FLAGS["prefill_attention"] = FLAGS["decode_attention"]
 MAX_GROUP, MAX_DIM = 32, 256  # the kernel's limits (query heads per K/V head, head_dim), as in the source
 
 _lib: Optional[ctypes.CDLL] = None  # decode attention
 _rotary: Optional[ctypes.CDLL] = None
+_prefill: Optional[ctypes.CDLL] = None
 _status = ""
 
 
@@ -105,14 +107,14 @@ def build(name: str = "decode_attention") -> str:
 def load() -> Optional[ctypes.CDLL]:
     """The decode-attention library (the rotary one loaded with it), or None (the reason is in `status()`);
     tried once per process."""
-    global _lib, _rotary, _status
+    global _lib, _rotary, _prefill, _status
     if _lib is not None or _status:
         return _lib
     if os.environ.get("PDLAB_CPU_KERNEL", "1") == "0":
         _status = "off (PDLAB_CPU_KERNEL=0)"
         return None
     try:
-        lib, rot = ctypes.CDLL(build("decode_attention")), ctypes.CDLL(build("rotary"))
+        lib, rot, pre = (ctypes.CDLL(build(name)) for name in ("decode_attention", "rotary", "prefill_attention"))
     except Exception as e:  # noqa: BLE001 - any failure means the torch path, with the reason kept
         _status = f"unavailable ({e}); using torch ops"
         return None
@@ -121,7 +123,9 @@ def load() -> Optional[ctypes.CDLL]:
     lib.pdlab_decode_attention.restype = ctypes.c_int
     rot.pdlab_rotary.argtypes = [p, l, l, i, i, i, p, p, p]
     rot.pdlab_rotary.restype = None
-    _lib, _rotary, _status = lib, rot, "built"
+    pre.pdlab_prefill_attention.argtypes = [p, l, l, p, l, l, p, l, l, i, i, i, i, fl, p, l, l, p]
+    pre.pdlab_prefill_attention.restype = ctypes.c_int
+    _lib, _rotary, _prefill, _status = lib, rot, pre, "built"
     return lib
 
 
@@ -190,3 +194,31 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Optional[to
     rot.pdlab_rotary(x.data_ptr(), x.stride(2), x.stride(1), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(),
                      out.data_ptr())
     return out.transpose(1, 2)
+
+
+PREFILL_ROWS = 8  # csrc/prefill_attention.c's ROWS: query heads per K/V head at most this many
+
+
+def prefill_usable(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether a CPU runner with this pool can use the prefill kernel (else SDPA)."""
+    return (dtype == torch.float32 and heads % kv_heads == 0 and heads // kv_heads <= PREFILL_ROWS
+            and head_dim % 16 == 0 and head_dim <= MAX_DIM and load() is not None)
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Causal attention of one request's chunk over itself: out[t] from q[t] and k/v[0..t]; q, out [n, H, D],
+    k, v [n, Hkv, D], float32, unit stride over D (any row and head strides)."""
+    pre = _prefill
+    assert pre is not None, "prefill_attention called without the kernel loaded"
+    for x in (q, k, v, out):
+        if x.stride(2) != 1:
+            raise ValueError("prefill_attention: tensors need unit stride over head_dim")
+    n, heads, head_dim = q.shape
+    scratch = torch.empty((head_dim + PREFILL_ROWS) * n, dtype=torch.float32)
+    rc = pre.pdlab_prefill_attention(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
+        v.stride(1), n, heads, k.shape[1], head_dim, scale, out.data_ptr(), out.stride(0), out.stride(1),
+        scratch.data_ptr())
+    if rc:
+        raise ValueError(f"prefill_attention: heads {heads} / kv heads {k.shape[1]} / head_dim {head_dim} "
+                         f"beyond the kernel's limits")

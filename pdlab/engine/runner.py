@@ -53,7 +53,7 @@ class ModelRunner:
         # Per-request kernels are cheap on a CPU and expensive launches on a GPU: in place on CPU only.
         self.in_place = self.device.type == "cpu"
         # CPU, float32: every decode request of a step through pdlab's C kernel (pdlab.engine.cpu_kernel)
-        self.cpu_kernel = False
+        self.cpu_kernel = self.cpu_prefill = False
         if self.device.type == "cpu":
             from pdlab.engine import cpu_kernel
             from pdlab.engine.fused_linear import fuse_projections
@@ -63,6 +63,7 @@ class ModelRunner:
             cfg = model.config
             heads = cfg.num_attention_heads
             self.cpu_kernel = cpu_kernel.usable(kv.dtype, heads, kv.shape[-2], kv.shape[-1])
+            self.cpu_prefill = cpu_kernel.prefill_usable(kv.dtype, heads, kv.shape[-2], kv.shape[-1])
         flash = ca.flash_module() if self.device.type == "cuda" else None
         self.kernel = ca.kernel_for(self.device.type, kv.dtype, kv.shape[-1], flash)
         self.paged = self.kernel == "flash-attn" and ca.supports_paged(flash, block_size)
@@ -125,7 +126,8 @@ class ModelRunner:
             if end == seq.num_tokens:
                 sample_rows.append(row + n - 1)
         ctx = AttnContext(kv=self.kv, slots=_long(slots, self.device), prefills=prefills,
-                          decode_views=views, layer_hook=self.layer_hook, expand_kv=self.kernel == "sdpa-expanded")
+                          decode_views=views, layer_hook=self.layer_hook, expand_kv=self.kernel == "sdpa-expanded",
+                          prefill_kernel=self.cpu_prefill)
         if kernel_rows:
             from pdlab.engine.cpu_kernel import DecodeBatch
 

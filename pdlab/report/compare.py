@@ -38,20 +38,25 @@ def _interference(x: dict) -> dict:
     return x["interference"]
 
 
-def describe_deployment(dep: Optional[dict]) -> str:
-    """`unified 2x[cpu:0|cpu:1]` or `1P[cpu:0] + 1D[cpu:1] shm push`, from recipe.yaml's deployment."""
+def describe_deployment(dep: Optional[dict], timing: Optional[dict] = None) -> str:
+    """`unified 2x[cpu:0|cpu:1]` or `1P[cpu:0] + 1D[cpu:1] shm push`, from recipe.yaml's deployment. A modelled
+    run (`timing`, the variant's resolved profile) names what each worker models, not the stand-in devices
+    it ran on: `1P[4 dev: mi300x-...-tp4] + 1D[4 dev: mi300x-...-tp4] nixl push (modelled)`."""
     if not dep:
         return "?"
-    def group(g: dict) -> str:
-        tp = f" TP{g['tp']}" if g.get("tp", 1) > 1 else ""
-        return f"[{'|'.join(map(str, g.get('devices', [])))}]{tp}"
+    modelled = f"{int(timing.get('devices') or 1)} dev: {timing.get('name') or 'profile'}" if timing else None
 
+    def group(g: dict) -> str:
+        tp = f" TP{g['tp']}" if g.get("tp", 1) > 1 and not timing else ""
+        return f"[{modelled or '|'.join(map(str, g.get('devices', [])))}]{tp}"
+
+    note = " (modelled)" if timing else ""
     if dep.get("kind") == "unified":
         u = dep["unified"]
-        return f"unified {u.get('replicas', 1)}x{group(u)}"
+        return f"unified {u.get('replicas', 1)}x{group(u)}{note}"
     p, d = dep.get("prefill", {}), dep.get("decode", {})
     return (f"{p.get('replicas', 1)}P{group(p)} + {d.get('replicas', 1)}D{group(d)} "
-            f"{dep.get('transport', '?')} {dep.get('mode', '?')}")
+            f"{dep.get('transport', '?')} {dep.get('mode', '?')}{note}")
 
 
 def count_devices(dep: Optional[dict], timing: Optional[dict] = None) -> Optional[int]:
@@ -116,7 +121,8 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
             g = vs["goodput"]
             rows.append({
                 "label": v if len(runs) == 1 else f"{run.name}/{v}", "run": run.path, "variant": v,
-                "config": describe_deployment(dep) + (f" on {backend}" if backend not in (None, "pdlab") else ""),
+                "config": describe_deployment(dep, timing if isinstance(timing, dict) else None)
+                + (f" on {backend}" if backend not in (None, "pdlab") else ""),
                 "kind": (dep or {}).get("kind", "?"),
                 "ran": bool(vs.get("ran", True)), "partial": bool(s.get("partial")), "slo": s.get("slo"),
                 "goodput": g, "goodput_tpot": vs["goodput_tpot"],

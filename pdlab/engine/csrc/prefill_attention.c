@@ -1,0 +1,153 @@
+/* Causal prefill attention of one request over its own chunk (no earlier context), pdlab.engine.cpu_kernel.
+
+   The common prefill: a prompt's first chunk attends to itself, causally. For each K/V head, K is transposed
+   once into scratch ([head_dim][n], keys contiguous) so that scores for sixteen keys are one vector: a block
+   of ROWS query rows (the query heads sharing the K/V head, ROWS / groups positions each) is scored against
+   every key up to its last position with broadcast multiply-adds, softmaxed row by row (keys past a row's
+   position masked), and multiplied with V, whose rows are contiguous over head_dim. Each K column and V row
+   loaded serves all ROWS rows; no work is done above the causal diagonal beyond the block's own last rows.
+
+   Built like decode_attention.c (associative float math, -march=native); exp is the same polynomial.
+
+   Layouts (float32): element (t, head, d) of q / k / v / out at t * row_stride + head * head_stride + d;
+   scratch: head_dim * n + ROWS * n floats. */
+
+#include <math.h>
+#include <string.h>
+
+typedef float vec16 __attribute__((vector_size(64)));
+typedef int ivec16 __attribute__((vector_size(64)));
+
+static inline vec16 load16(const float *p) { vec16 x; memcpy(&x, p, sizeof x); return x; }
+static inline void store16(float *p, vec16 x) { memcpy(p, &x, sizeof x); }
+static inline vec16 splat16(float f) { return (vec16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
+static inline vec16 select16(ivec16 mask, vec16 a, vec16 b) {
+    return (vec16)((mask & (ivec16)a) | (~mask & (ivec16)b));
+}
+
+static inline float exp_neg1(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float fx = floorf(x * 1.44269504088896341f + 0.5f);
+    x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+    float z = x * x;
+    float y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+               + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    union { int i; float f; } p;
+    p.i = ((int)fx + 127) << 23;
+    return y * p.f;
+}
+
+static inline vec16 exp_neg16(vec16 x) {
+    x = select16(x < splat16(-87.0f), splat16(-87.0f), x);
+    vec16 fx = x * 1.44269504088896341f + 0.5f;
+    ivec16 n = __builtin_convertvector(fx, ivec16);
+    vec16 fn = __builtin_convertvector(n, vec16);
+    fn = select16(fn > fx, fn - 1.0f, fn);
+    x = x - fn * 0.693359375f + fn * 2.12194440e-4f;
+    vec16 z = x * x;
+    vec16 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
+               + 1.6666665459e-1f) * x + 5.0000001201e-1f;
+    y = y * z + x + 1.0f;
+    ivec16 e = (__builtin_convertvector(fn, ivec16) + 127) << 23;
+    vec16 p;
+    memcpy(&p, &e, sizeof p);
+    return y * p;
+}
+
+#ifndef ROWS
+#define ROWS 8 /* query rows per block: accumulators in registers */
+#endif
+#define MAX_DIM 256
+
+/* One block of `rows` query rows (row r: query head qh[r], position pos[r]) against keys [0, keys). */
+static inline __attribute__((always_inline)) void block(
+        const float *q, long q_row, long q_head, const float *kt, int n, const float *v, long v_row,
+        float *out, long o_row, long o_head, const int *qh, const int *pos, int rows, int keys, float scale,
+        float *s, const int head_dim) {
+    float qv[ROWS][MAX_DIM];
+    for (int r = 0; r < rows; r++)
+        for (int d = 0; d < head_dim; d++) qv[r][d] = q[pos[r] * q_row + qh[r] * q_head + d] * scale;
+    int t = 0;
+    for (; t + 16 <= keys; t += 16) { /* scores, sixteen keys at a time */
+        vec16 acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = splat16(0.0f);
+        for (int d = 0; d < head_dim; d++) {
+            vec16 kv = load16(kt + (long)d * n + t);
+            for (int r = 0; r < ROWS; r++) acc[r] += splat16(qv[r][d]) * kv;
+        }
+        for (int r = 0; r < rows; r++) store16(s + (long)r * n + t, acc[r]);
+    }
+    for (; t < keys; t++) /* the last few keys */
+        for (int r = 0; r < rows; r++) {
+            float a = 0.0f;
+            for (int d = 0; d < head_dim; d++) a += qv[r][d] * kt[(long)d * n + t];
+            s[(long)r * n + t] = a;
+        }
+    float inv[ROWS];
+    for (int r = 0; r < rows; r++) { /* softmax over keys [0, pos + 1) */
+        float *sr = s + (long)r * n;
+        const int m = pos[r] + 1;
+        float mx = -INFINITY;
+        int i = 0;
+        if (m >= 16) {
+            vec16 m16 = load16(sr);
+            for (i = 16; i + 16 <= m; i += 16) { vec16 x = load16(sr + i); m16 = select16(x > m16, x, m16); }
+            for (int j = 0; j < 16; j++) mx = m16[j] > mx ? m16[j] : mx;
+        }
+        for (; i < m; i++) mx = sr[i] > mx ? sr[i] : mx;
+        vec16 sum16 = splat16(0.0f);
+        i = 0;
+        for (; i + 16 <= m; i += 16) {
+            vec16 e = exp_neg16(load16(sr + i) - mx);
+            store16(sr + i, e);
+            sum16 += e;
+        }
+        float sum = 0.0f;
+        for (int j = 0; j < 16; j++) sum += sum16[j];
+        for (; i < m; i++) { sr[i] = exp_neg1(sr[i] - mx); sum += sr[i]; }
+        for (; i < keys; i++) sr[i] = 0.0f; /* past this row's position */
+        inv[r] = 1.0f / sum;
+    }
+    for (int c = 0; c < head_dim; c += 16) { /* P @ V, 16 floats of head_dim per pass */
+        vec16 acc[ROWS];
+        for (int r = 0; r < ROWS; r++) acc[r] = splat16(0.0f);
+        for (int i = 0; i < keys; i++) {
+            const vec16 x = load16(v + (long)i * v_row + c);
+            for (int r = 0; r < ROWS; r++) acc[r] += splat16(s[(long)r * n + i]) * x;
+        }
+        for (int r = 0; r < rows; r++) store16(out + pos[r] * o_row + qh[r] * o_head + c, acc[r] * inv[r]);
+    }
+}
+
+int pdlab_prefill_attention(const float *q, long q_row, long q_head, const float *k, long k_row, long k_head,
+                            const float *v, long v_row, long v_head, int n, int heads, int kv_heads, int head_dim,
+                            float scale, float *out, long o_row, long o_head, float *scratch) {
+    const int groups = heads / kv_heads;
+    if (head_dim % 16 || head_dim > MAX_DIM || groups * kv_heads != heads || groups > ROWS) return -1;
+    float *kt = scratch, *s = scratch + (long)head_dim * n;
+    const int per = ROWS / groups; /* positions per block */
+    for (int h = 0; h < kv_heads; h++) {
+        for (int t = 0; t < n; t++) /* K^T of this head: keys contiguous */
+            for (int d = 0; d < head_dim; d++) kt[(long)d * n + t] = k[t * k_row + h * k_head + d];
+        const float *vh = v + (long)h * v_head;
+        for (int p0 = 0; p0 < n; p0 += per) {
+            int qh[ROWS], pos[ROWS], rows = 0;
+            for (int p = p0; p < p0 + per && p < n; p++)
+                for (int g = 0; g < groups; g++) {
+                    qh[rows] = h * groups + g;
+                    pos[rows] = p;
+                    rows++;
+                }
+            for (int r = rows; r < ROWS; r++) { qh[r] = qh[0]; pos[r] = pos[0]; } /* padding rows: not stored */
+            const int keys = (p0 + per < n ? p0 + per : n);
+            switch (head_dim) {
+                case 32: block(q, q_row, q_head, kt, n, vh, v_row, out, o_row, o_head, qh, pos, rows, keys, scale, s, 32); break;
+                case 64: block(q, q_row, q_head, kt, n, vh, v_row, out, o_row, o_head, qh, pos, rows, keys, scale, s, 64); break;
+                case 128: block(q, q_row, q_head, kt, n, vh, v_row, out, o_row, o_head, qh, pos, rows, keys, scale, s, 128); break;
+                default: block(q, q_row, q_head, kt, n, vh, v_row, out, o_row, o_head, qh, pos, rows, keys, scale, s, head_dim);
+            }
+        }
+    }
+    return 0;
+}

@@ -183,3 +183,31 @@ def test_prefill_limits():
     assert not cpu_kernel.prefill_usable(torch.float32, 8, 2, 24)  # head_dim not a multiple of 16
     assert not cpu_kernel.prefill_usable(torch.float32, 16, 1, 64)  # 16 query heads per K/V head
     assert not cpu_kernel.prefill_usable(torch.bfloat16, 8, 2, 32)
+
+
+@needs_cc
+@pytest.mark.parametrize("width", [768, 40, 7])  # whole vectors, a tail, a tail only
+def test_swiglu_matches_silu_times_up(width):
+    torch.manual_seed(width)
+    gate_up = torch.randn(33, 2 * width + 5)[:, 5:] * 6  # strided rows, values into exp's tails
+    got = cpu_kernel.swiglu(gate_up)
+    want = F.silu(gate_up[:, :width]) * gate_up[:, width:]
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
+    big = torch.tensor([[-200.0, 200.0, 0.0, -0.0, 3.0, 3.0, 100.0, -100.0]])  # exp clamped, not inf / nan
+    torch.testing.assert_close(cpu_kernel.swiglu(big), F.silu(big[:, :4]) * big[:, 4:], rtol=1e-6, atol=1e-6)
+
+
+@needs_cc
+def test_the_fused_mlp_is_transformers_mlp_to_float_rounding():
+    import copy
+
+    from pdlab.engine import load_model
+    from pdlab.engine.fused_linear import fuse_projections
+
+    plain = load_model("tiny-llama")
+    fused = copy.deepcopy(plain)
+    fuse_projections(fused)
+    x = torch.randn(1, 40, plain.config.hidden_size)
+    for a, b in zip(plain.get_decoder().layers, fused.get_decoder().layers):
+        assert b.mlp.forward is not type(b.mlp).forward
+        torch.testing.assert_close(b.mlp(x), a.mlp(x), rtol=1e-5, atol=1e-6)

@@ -40,12 +40,13 @@ BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]  # vectorised for this
 FLAGS = {"decode_attention": BASE_FLAGS + ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
                                            "-fno-trapping-math"],
          "rotary": BASE_FLAGS + ["-ffp-contract=off"]}
-FLAGS["prefill_attention"] = FLAGS["decode_attention"]
+FLAGS["prefill_attention"] = FLAGS["swiglu"] = FLAGS["decode_attention"]
 MAX_GROUP, MAX_DIM = 32, 256  # the kernel's limits (query heads per K/V head, head_dim), as in the source
 
 _lib: Optional[ctypes.CDLL] = None  # decode attention
 _rotary: Optional[ctypes.CDLL] = None
 _prefill: Optional[ctypes.CDLL] = None
+_swiglu: Optional[ctypes.CDLL] = None
 _status = ""
 
 
@@ -107,14 +108,15 @@ def build(name: str = "decode_attention") -> str:
 def load() -> Optional[ctypes.CDLL]:
     """The decode-attention library (the rotary one loaded with it), or None (the reason is in `status()`);
     tried once per process."""
-    global _lib, _rotary, _prefill, _status
+    global _lib, _rotary, _prefill, _swiglu, _status
     if _lib is not None or _status:
         return _lib
     if os.environ.get("PDLAB_CPU_KERNEL", "1") == "0":
         _status = "off (PDLAB_CPU_KERNEL=0)"
         return None
     try:
-        lib, rot, pre = (ctypes.CDLL(build(name)) for name in ("decode_attention", "rotary", "prefill_attention"))
+        lib, rot, pre, act = (ctypes.CDLL(build(name)) for name in ("decode_attention", "rotary", "prefill_attention",
+                                                                      "swiglu"))
     except Exception as e:  # noqa: BLE001 - any failure means the torch path, with the reason kept
         _status = f"unavailable ({e}); using torch ops"
         return None
@@ -125,7 +127,9 @@ def load() -> Optional[ctypes.CDLL]:
     rot.pdlab_rotary.restype = None
     pre.pdlab_prefill_attention.argtypes = [p, l, l, p, l, l, p, l, l, i, i, i, i, fl, p, l, l, p]
     pre.pdlab_prefill_attention.restype = ctypes.c_int
-    _lib, _rotary, _prefill, _status = lib, rot, pre, "built"
+    act.pdlab_swiglu.argtypes = [p, l, l, l, p]
+    act.pdlab_swiglu.restype = None
+    _lib, _rotary, _prefill, _swiglu, _status = lib, rot, pre, act, "built"
     return lib
 
 
@@ -183,6 +187,8 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Optional[to
     [1, tokens, head_dim], in one pass and the same bits; None where the kernel does not apply (the caller
     then runs transformers' ops). The result is laid out [1, tokens, heads, head_dim] in memory, as
     transformers' would be for the transposed projection it is given."""
+    if not _status:
+        load()
     rot = _rotary
     if (rot is None or x.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32
             or x.dim() != 4 or x.shape[0] != 1 or x.stride(3) != 1 or x.shape[3] % 2 or x.device.type != "cpu"):
@@ -222,3 +228,20 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
     if rc:
         raise ValueError(f"prefill_attention: heads {heads} / kv heads {k.shape[1]} / head_dim {head_dim} "
                          f"beyond the kernel's limits")
+
+
+def swiglu(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+    """silu(gate) * up from the fused projection's output [..., 2 * width] (gate first), in one pass; None
+    where the kernel does not apply (the caller then runs torch's ops)."""
+    if not _status:
+        load()
+    act = _swiglu
+    if act is None or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.stride(-1) != 1:
+        return None
+    width = gate_up.shape[-1] // 2
+    flat = gate_up.reshape(-1, gate_up.shape[-1]) if gate_up.dim() != 2 else gate_up
+    if flat.dim() != 2 or flat.stride(1) != 1:
+        return None
+    out = torch.empty((*gate_up.shape[:-1], width), dtype=torch.float32)
+    act.pdlab_swiglu(flat.data_ptr(), flat.shape[0], width, flat.stride(0), out.data_ptr())
+    return out

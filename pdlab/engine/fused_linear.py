@@ -11,6 +11,10 @@ copy). The first projection's forward runs the one GEMM and returns its part; th
 called with the same input tensor, which transformers' layers do (q, k, v of one hidden state; gate and up of
 one). Called with anything else, or after their weights were replaced (tensor-parallel sharding slices them),
 each projection computes its own GEMM as before; `fuse_projections` run again re-fuses the new weights.
+
+A SiLU-gated MLP (Llama, Qwen3) goes further: its forward becomes down(swiglu(x @ [gate; up])), the
+activation and product in one pass by pdlab.engine.cpu_kernel (transformers' SiLU and product are two
+passes over strided halves); equal to float rounding, not bit for bit (its exp is not torch's).
 """
 
 from __future__ import annotations
@@ -98,6 +102,32 @@ def fuse_projections(model: Any) -> int:
                 continue
             if len({m.bias is None for m in mods}) > 1:
                 continue
-            FusedGroup(mods)
+            group = FusedGroup(mods)
+            if names == ("gate_proj", "up_proj") and _is_swiglu(module):
+                module.forward = _swiglu_forward(module, group)
             n += 1
     return n
+
+
+def _is_swiglu(mlp: Any) -> bool:
+    act = getattr(mlp, "act_fn", None)
+    return isinstance(getattr(mlp, "down_proj", None), torch.nn.Linear) and (
+        isinstance(act, torch.nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU"))
+
+
+def _swiglu_forward(mlp: Any, group: FusedGroup) -> Any:
+    """The MLP as down(silu(gate) * up) with the fused gate/up GEMM and pdlab.engine.cpu_kernel's one-pass
+    activation; transformers' own forward where either does not apply (weights replaced, no kernel)."""
+    from pdlab.engine import cpu_kernel
+
+    original = type(mlp).forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if group.intact() and getattr(mlp, "pdlab_fused_gate", None) is group:
+            h = cpu_kernel.swiglu(F.linear(x, group.weight, group.bias))
+            if h is not None:
+                return mlp.down_proj(h)
+        return original(mlp, x)
+
+    mlp.pdlab_fused_gate = group
+    return forward

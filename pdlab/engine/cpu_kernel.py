@@ -85,6 +85,8 @@ def build(name: str = "decode_attention") -> str:
     source = os.path.join(CSRC, f"{name}.c")
     flags = FLAGS[name]
     src = open(source, "rb").read()
+    for header in sorted(f for f in os.listdir(CSRC) if f.endswith(".h")):  # included sources change the build too
+        src += open(os.path.join(CSRC, header), "rb").read()
     key = hashlib.sha256(src + " ".join(flags).encode() + _compiler_id(cc).encode() + _cpu_flags().encode())
     out_dir = cache_dir()
     path = os.path.join(out_dir, f"{name}-{key.hexdigest()[:16]}.so")

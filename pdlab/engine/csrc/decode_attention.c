@@ -6,8 +6,7 @@
 
    Plain C, no torch headers: the build takes about a second with any C compiler and is called through
    ctypes with data pointers. Built with -O3 -march=native and associative float math so that the loops
-   over head_dim vectorise; exp is a Cephes-style polynomial (about 1 ulp, like SLEEF's expf_u10 that torch
-   uses), written so that it vectorises too.
+   over head_dim vectorise; exp and the softmax row helpers are vec_math.h's, shared with the other kernels.
 
    Layouts (float32):
      q, out   rows of the packed batch; element (row, head, d) at row * row_stride + head * head_stride + d
@@ -15,21 +14,7 @@
      tables   [batch, width] block ids (int32), lens [batch] context tokens (int32), rows [batch] (int32)
    scratch: at least heads * max(lens) floats. */
 
-#include <math.h>
-#include <string.h>
-
-static inline float exp_neg(float x) { /* exp(x) for x <= 0 */
-    x = x < -87.0f ? -87.0f : x;
-    float fx = floorf(x * 1.44269504088896341f + 0.5f);
-    x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-    float z = x * x;
-    float y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
-               + 1.6666665459e-1f) * x + 5.0000001201e-1f;
-    y = y * z + x + 1.0f;
-    union { int i; float f; } p;
-    p.i = ((int)fx + 127) << 23;
-    return y * p.f;
-}
+#include "vec_math.h"
 
 #define MAX_GROUP 32
 #define MAX_DIM 256
@@ -49,31 +34,6 @@ static inline float hsum8(vec8 a) {
     s = s + t;
     return s[0] + s[1];
 }
-
-typedef int ivec8 __attribute__((vector_size(32)));
-
-static inline vec8 select8(ivec8 mask, vec8 a, vec8 b) { /* mask ? a : b, lane by lane (C has no vector ?:) */
-    return (vec8)((mask & (ivec8)a) | (~mask & (ivec8)b));
-}
-
-static inline vec8 exp_neg8(vec8 x) { /* exp_neg on eight lanes */
-    const vec8 lo = {-87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f, -87.0f};
-    x = select8(x < lo, lo, x);
-    vec8 fx = x * 1.44269504088896341f + 0.5f;
-    ivec8 n = __builtin_convertvector(fx, ivec8);
-    vec8 fn = __builtin_convertvector(n, vec8);
-    fn = select8(fn > fx, fn - 1.0f, fn); /* floor: truncation rounds negatives up */
-    x = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-    vec8 z = x * x;
-    vec8 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
-              + 1.6666665459e-1f) * x + 5.0000001201e-1f;
-    y = y * z + x + 1.0f;
-    ivec8 e = (__builtin_convertvector(fn, ivec8) + 127) << 23;
-    vec8 p;
-    memcpy(&p, &e, sizeof p);
-    return y * p;
-}
-
 
 /* Scores of every (K/V head, query head) of one request in one pass over its tokens, so each K row is read
    once, front to back: scratch[(h * groups + g) * n + t]. */
@@ -128,25 +88,7 @@ static inline __attribute__((always_inline)) void attend8(
     float inv[MAX_GROUP];
     for (int g = 0; g < groups; g++) { /* softmax rows */
         float *s = scratch + (long)g * n;
-        float mx = -INFINITY;
-        int t = 0;
-        if (n >= 8) {
-            vec8 m8 = load8(s);
-            for (t = 8; t + 8 <= n; t += 8) { vec8 x = load8(s + t); m8 = select8(x > m8, x, m8); }
-            for (int i = 0; i < 8; i++) mx = m8[i] > mx ? m8[i] : mx;
-        } else {
-            t = 0;
-        }
-        for (; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-        vec8 sum8 = {0};
-        for (t = 0; t + 8 <= n; t += 8) {
-            vec8 e = exp_neg8(load8(s + t) - mx);
-            store8(s + t, e);
-            sum8 += e;
-        }
-        float sum = hsum8(sum8);
-        for (; t < n; t++) { s[t] = exp_neg(s[t] - mx); sum += s[t]; }
-        inv[g] = 1.0f / sum;
+        inv[g] = 1.0f / exp_sum(s, n, max_of(s, n));
     }
     for (int c = 0; c < dv; c += CHUNK) { /* P @ V, CHUNK vectors of head_dim per pass */
         const int w = dv - c < CHUNK ? dv - c : CHUNK;
@@ -193,14 +135,7 @@ static void attend(const float *qh, long q_head_stride, const float *k, const fl
     }
     for (int g = 0; g < groups; g++) {
         float *s = scratch + (long)g * n;
-        float mx = -INFINITY;
-        for (int t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-        float sum = 0.0f;
-        for (int t = 0; t < n; t++) {
-            s[t] = exp_neg(s[t] - mx);
-            sum += s[t];
-        }
-        inv[g] = 1.0f / sum;
+        inv[g] = 1.0f / exp_sum(s, n, max_of(s, n));
     }
     memset(acc, 0, sizeof(float) * groups * head_dim);
     for (int t0 = 0, blk = 0; t0 < n; t0 += block_size, blk++) {

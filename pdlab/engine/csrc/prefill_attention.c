@@ -7,53 +7,12 @@
    position masked), and multiplied with V, whose rows are contiguous over head_dim. Each K column and V row
    loaded serves all ROWS rows; no work is done above the causal diagonal beyond the block's own last rows.
 
-   Built like decode_attention.c (associative float math, -march=native); exp is the same polynomial.
+   Built like decode_attention.c (associative float math, -march=native); exp and softmax helpers from vec_math.h.
 
    Layouts (float32): element (t, head, d) of q / k / v / out at t * row_stride + head * head_stride + d;
    scratch: head_dim * n + ROWS * n floats. */
 
-#include <math.h>
-#include <string.h>
-
-typedef float vec16 __attribute__((vector_size(64)));
-typedef int ivec16 __attribute__((vector_size(64)));
-
-static inline vec16 load16(const float *p) { vec16 x; memcpy(&x, p, sizeof x); return x; }
-static inline void store16(float *p, vec16 x) { memcpy(p, &x, sizeof x); }
-static inline vec16 splat16(float f) { return (vec16){f, f, f, f, f, f, f, f, f, f, f, f, f, f, f, f}; }
-static inline vec16 select16(ivec16 mask, vec16 a, vec16 b) {
-    return (vec16)((mask & (ivec16)a) | (~mask & (ivec16)b));
-}
-
-static inline float exp_neg1(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float fx = floorf(x * 1.44269504088896341f + 0.5f);
-    x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-    float z = x * x;
-    float y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
-               + 1.6666665459e-1f) * x + 5.0000001201e-1f;
-    y = y * z + x + 1.0f;
-    union { int i; float f; } p;
-    p.i = ((int)fx + 127) << 23;
-    return y * p.f;
-}
-
-static inline vec16 exp_neg16(vec16 x) {
-    x = select16(x < splat16(-87.0f), splat16(-87.0f), x);
-    vec16 fx = x * 1.44269504088896341f + 0.5f;
-    ivec16 n = __builtin_convertvector(fx, ivec16);
-    vec16 fn = __builtin_convertvector(n, vec16);
-    fn = select16(fn > fx, fn - 1.0f, fn);
-    x = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-    vec16 z = x * x;
-    vec16 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
-               + 1.6666665459e-1f) * x + 5.0000001201e-1f;
-    y = y * z + x + 1.0f;
-    ivec16 e = (__builtin_convertvector(fn, ivec16) + 127) << 23;
-    vec16 p;
-    memcpy(&p, &e, sizeof p);
-    return y * p;
-}
+#include "vec_math.h"
 
 #ifndef ROWS
 #define ROWS 8 /* query rows per block: accumulators in registers */
@@ -88,24 +47,8 @@ static inline __attribute__((always_inline)) void block(
     for (int r = 0; r < rows; r++) { /* softmax over keys [0, pos + 1) */
         float *sr = s + (long)r * n;
         const int m = pos[r] + 1;
-        float mx = -INFINITY;
-        int i = 0;
-        if (m >= 16) {
-            vec16 m16 = load16(sr);
-            for (i = 16; i + 16 <= m; i += 16) { vec16 x = load16(sr + i); m16 = select16(x > m16, x, m16); }
-            for (int j = 0; j < 16; j++) mx = m16[j] > mx ? m16[j] : mx;
-        }
-        for (; i < m; i++) mx = sr[i] > mx ? sr[i] : mx;
-        vec16 sum16 = splat16(0.0f);
-        i = 0;
-        for (; i + 16 <= m; i += 16) {
-            vec16 e = exp_neg16(load16(sr + i) - mx);
-            store16(sr + i, e);
-            sum16 += e;
-        }
-        float sum = 0.0f;
-        for (int j = 0; j < 16; j++) sum += sum16[j];
-        for (; i < m; i++) { sr[i] = exp_neg1(sr[i] - mx); sum += sr[i]; }
+        const float sum = exp_sum(sr, m, max_of(sr, m));
+        int i = m;
         for (; i < keys; i++) sr[i] = 0.0f; /* past this row's position */
         inv[r] = 1.0f / sum;
     }
@@ -132,7 +75,7 @@ int pdlab_prefill_attention(const float *q, long q_row, long q_head, const float
             for (int d = 0; d < head_dim; d++) kt[(long)d * n + t] = k[t * k_row + h * k_head + d];
         const float *vh = v + (long)h * v_head;
         for (int p0 = 0; p0 < n; p0 += per) {
-            int qh[ROWS], pos[ROWS], rows = 0;
+            int qh[ROWS] = {0}, pos[ROWS] = {0}, rows = 0;
             for (int p = p0; p < p0 + per && p < n; p++)
                 for (int g = 0; g < groups; g++) {
                     qh[rows] = h * groups + g;
@@ -141,11 +84,12 @@ int pdlab_prefill_attention(const float *q, long q_row, long q_head, const float
                 }
             for (int r = rows; r < ROWS; r++) { qh[r] = qh[0]; pos[r] = pos[0]; } /* padding rows: not stored */
             const int keys = (p0 + per < n ? p0 + per : n);
-            switch (head_dim) {
-                case 32: block(q, q_row, q_head, kt, n, vh, v_row, out, o_row, o_head, qh, pos, rows, keys, scale, s, 32); break;
-                case 64: block(q, q_row, q_head, kt, n, vh, v_row, out, o_row, o_head, qh, pos, rows, keys, scale, s, 64); break;
-                case 128: block(q, q_row, q_head, kt, n, vh, v_row, out, o_row, o_head, qh, pos, rows, keys, scale, s, 128); break;
-                default: block(q, q_row, q_head, kt, n, vh, v_row, out, o_row, o_head, qh, pos, rows, keys, scale, s, head_dim);
+#define BLOCK(D) block(q, q_row, q_head, kt, n, vh, v_row, out, o_row, o_head, qh, pos, rows, keys, scale, s, D)
+            switch (head_dim) { /* common sizes get constant loop bounds */
+                case 32: BLOCK(32); break;
+                case 64: BLOCK(64); break;
+                case 128: BLOCK(128); break;
+                default: BLOCK(head_dim);
             }
         }
     }

@@ -6,9 +6,9 @@ and then calls `paged_attention` once per layer. There we write the new K/V into
 attend each request to its own context:
 - decode requests (one query token), CPU float32: all of them in one call of pdlab's C kernel, reading K/V in
   place from their blocks (pdlab.engine.cpu_kernel); where it cannot be built, the torch paths: long
-  contiguous contexts in place (`_attend_in_place`), the others in one padded SDPA call over K/V gathered from their blocks, the query
-  heads that share a K/V head laid out as rows of one query (25-35% faster than `enable_gqa` on CPU, and
-  exact: with one query token no row masks another);
+  contiguous contexts in place (`_attend_in_place`), the others in one padded SDPA call over K/V gathered
+  from their blocks, the query heads that share a K/V head laid out as rows of one query (25-35% faster
+  than `enable_gqa` on CPU, and exact: with one query token no row masks another);
 - prefill chunks one call each: plain causal over the chunk's own K/V when the request has no earlier
   context (the common case; CPU float32: pdlab's C kernel, else SDPA), else SDPA over K/V gathered from its
   blocks with an offset causal mask.
@@ -109,18 +109,17 @@ def paged_attention(
             qd = q[ctx.decode_rows].view(b, kv_heads, -1, head_dim)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling)
         out[ctx.decode_rows] = od.reshape(b, -1, head_dim)
+    scale = scaling if scaling is not None else head_dim ** -0.5  # the C kernels take it resolved
     if ctx.decode_batch is not None:
-        cpu_kernel.decode_attention(q, k_blocks, v_blocks, ctx.decode_batch,
-                                    scaling if scaling is not None else head_dim ** -0.5, out)
+        cpu_kernel.decode_attention(q, k_blocks, v_blocks, ctx.decode_batch, scale, out)
     if ctx.decode_views:
         _attend_in_place(q, out, k_blocks, v_blocks, ctx.decode_views, scaling)
     for seg in ctx.prefills:
-        qs = q[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        rows = slice(seg.q_start, seg.q_end)
         if seg.blocks is None and ctx.prefill_kernel:
-            cpu_kernel.prefill_attention(q[seg.q_start:seg.q_end], k[seg.q_start:seg.q_end], v[seg.q_start:seg.q_end],
-                                         scaling if scaling is not None else head_dim ** -0.5,
-                                         out[seg.q_start:seg.q_end])
+            cpu_kernel.prefill_attention(q[rows], k[rows], v[rows], scale, out[rows])
             continue
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if seg.blocks is None:
             ks = k[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)
             vs = v[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)

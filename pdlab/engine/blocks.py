@@ -21,6 +21,17 @@ from pdlab.constants import cdiv
 from pdlab.engine.sequence import Sequence
 
 
+def padded_tables(tables: list[list[int]]) -> tuple[list[int], int]:
+    """Block tables of unequal length as one row-major list padded with block 0, and its width (the kernels
+    read a table only up to its own context length)."""
+    width = max(len(t) for t in tables)
+    flat: list[int] = []
+    for t in tables:
+        flat += t
+        flat += [0] * (width - len(t))
+    return flat, width
+
+
 def block_key(parent: Optional[int], tokens: list[int]) -> int:
     """Stable across processes (unlike hash() of some types), so prefill and decode workers agree."""
     h = hashlib.blake2b(digest_size=8)

@@ -154,11 +154,9 @@ class DecodeBatch:
     """One step's decode requests as the kernel reads them: rows, block tables and context lengths (int32)."""
 
     def __init__(self, rows: list[int], tables: list[list[int]], lens: list[int]):
-        width = max(len(t) for t in tables)
-        flat: list[int] = []
-        for t in tables:
-            flat += t
-            flat += [0] * (width - len(t))
+        from pdlab.engine.blocks import padded_tables
+
+        flat, width = padded_tables(tables)
         self.rows = torch.tensor(rows, dtype=torch.int32)
         self.tables = torch.tensor(flat, dtype=torch.int32)
         self.lens = torch.tensor(lens, dtype=torch.int32)

@@ -16,6 +16,7 @@ import torch
 from pdlab.constants import cdiv
 from pdlab.engine import cuda_attention as ca
 from pdlab.engine.attention import AttnContext, PrefillSegment, set_context
+from pdlab.engine.blocks import padded_tables
 from pdlab.engine.sequence import Sequence
 
 # Decode requests with at least this much context, whose blocks are one contiguous run, attend to their
@@ -133,11 +134,7 @@ class ModelRunner:
 
             ctx.decode_batch = DecodeBatch(kernel_rows, kernel_tables, kernel_lens)
         if decode_rows:
-            width = max(len(t) for t in decode_tables)
-            flat: list[int] = []
-            for t in decode_tables:
-                flat += t
-                flat += [0] * (width - len(t))
+            flat, width = padded_tables(decode_tables)
             ctx.decode_rows = _long(decode_rows, self.device)
             ctx.decode_blocks = _long(flat, self.device).view(len(decode_tables), width)
             lens = _long(decode_lens, torch.device("cpu"))
@@ -171,9 +168,8 @@ class ModelRunner:
         k_lens = [b - a for a, b in zip(cu_k, cu_k[1:])]
         meta = ca.FlashMeta(_long(cu_q, dev, "i"), _long(cu_k, dev, "i"), max(q_lens), max(k_lens))
         if self.paged:
-            width = max(len(t) for t in tables)
-            meta.block_table = _long([b for t in tables for b in t + [0] * (width - len(t))], dev, "i").view(
-                len(tables), width)
+            flat, width = padded_tables(tables)
+            meta.block_table = _long(flat, dev, "i").view(len(tables), width)
         else:
             starts = [0]
             for t in tables[:-1]:

@@ -39,8 +39,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from pdlab.kv.sharded import ShardedPool, as_sharded, plan
-from pdlab.kv.transfer import Transport, block_bytes, block_runs, copy_blocks
+from pdlab.kv.sharded import ShardedPool, as_sharded, copy_heads, plan, whole
+from pdlab.kv.transfer import Transport, block_bytes, copy_blocks
 from pdlab.kv.ucx_log import read_lanes, ucx_log_file
 from pdlab.recipe.nixl import INSTALL_HINT, nixl_module, resolve_ucx_tls
 
@@ -107,12 +107,6 @@ class NixlTransport(Transport):
         self._locals: dict[int, _Local] = {}  # by data_ptr: our pool, adopted shards, staging buffers
         self._staging: dict[tuple, _Local] = {}  # by shard shape without the block count
         self._agents: dict[str, tuple[str, str]] = {}  # peer agent name -> (NIXL's name for it, UCX path)
-
-    @property
-    def local(self) -> Any:
-        """The prepared descriptor list over our own pool."""
-        entry = self._locals.get(self.pool.data_ptr()) if self.pool is not None else None
-        return entry.dlist if entry is not None else None
 
     # ---- our pool ----
     def kv_alloc(self, shape: Sequence[int], dtype: torch.dtype, device: object = None) -> torch.Tensor:
@@ -240,23 +234,23 @@ class NixlTransport(Transport):
             for i, peer in enumerate(s_pool.shards):
                 mine = [(j, sl, dl) for ii, j, sl, dl in pairs if ii == i]
                 j, sl, dl = mine[0]
-                if len(mine) == 1 and _whole(sl, peer.shape[4]) and _whole(dl, d_pool.shards[j].shape[4]):
+                if len(mine) == 1 and whole(sl, peer.shape[4]) and whole(dl, d_pool.shards[j].shape[4]):
                     total += self._xfer("READ", d_pool.shards[j], dst_blocks, peer, src_blocks, layer)
                     continue
                 stage = self._stage(peer.shape, n)
                 total += self._xfer("READ", stage, staged, peer, src_blocks, layer)
                 for j, sl, dl in mine:
-                    _copy_heads(stage, staged, sl, d_pool.shards[j], dst_blocks, dl, layer)
+                    copy_heads(stage, staged, sl, d_pool.shards[j], dst_blocks, dl, layer)
             return total
         for j, peer in enumerate(d_pool.shards):  # push: gather each destination shard's heads, WRITE it
             theirs = [(i, sl, dl) for i, jj, sl, dl in pairs if jj == j]
             i, sl, dl = theirs[0]
-            if len(theirs) == 1 and _whole(sl, s_pool.shards[i].shape[4]) and _whole(dl, peer.shape[4]):
+            if len(theirs) == 1 and whole(sl, s_pool.shards[i].shape[4]) and whole(dl, peer.shape[4]):
                 total += self._xfer("WRITE", s_pool.shards[i], src_blocks, peer, dst_blocks, layer)
                 continue
             stage = self._stage(peer.shape, n)
             for i, sl, dl in theirs:
-                _copy_heads(s_pool.shards[i], src_blocks, sl, stage, staged, dl, layer)
+                copy_heads(s_pool.shards[i], src_blocks, sl, stage, staged, dl, layer)
             total += self._xfer("WRITE", stage, staged, peer, dst_blocks, layer)
         return total
 
@@ -293,19 +287,6 @@ class NixlTransport(Transport):
         for entry in list(self._locals.values()):
             self._drop(entry)
         self._staging.clear()
-
-
-def _whole(sl: slice, heads: int) -> bool:
-    return sl.start == 0 and sl.stop == heads
-
-
-def _copy_heads(src: torch.Tensor, src_blocks: Sequence[int], sh: slice, dst: torch.Tensor,
-                dst_blocks: Sequence[int], dh: slice, layer: Optional[int]) -> None:
-    """dst[..., dst_blocks, :, dh, :] = src[..., src_blocks, :, sh, :], all layers or one (local tensors)."""
-    sa = src if layer is None else src[layer:layer + 1]
-    db = dst if layer is None else dst[layer:layer + 1]
-    for s0, d0, n in block_runs(src_blocks, dst_blocks):
-        db[:, :, d0:d0 + n, :, dh].copy_(sa[:, :, s0:s0 + n, :, sh])
 
 
 def descriptors(base: int, shape: Sequence[int], itemsize: int, dev: int) -> np.ndarray:

@@ -76,6 +76,26 @@ def plan(src: ShardedPool, dst: ShardedPool) -> list[tuple[int, int, slice, slic
     return out
 
 
+def whole(sl: slice, heads: int) -> bool:
+    """A head slice that is the whole shard."""
+    return sl.start == 0 and sl.stop == heads
+
+
+def copy_heads(src: torch.Tensor, src_blocks: Sequence[int], sh: slice, dst: torch.Tensor, dst_blocks: Sequence[int],
+               dh: slice, layer: int | None = None, non_blocking: bool = False,
+               runs: list[tuple[int, int, int]] | None = None) -> int:
+    """dst[..., dst_blocks, :, dh, :] = src[..., src_blocks, :, sh, :], all layers or one, between tensors this
+    process holds; returns the bytes written. `runs`: block_runs of the two lists, when the caller has them."""
+    sa = src if layer is None else src[layer:layer + 1]
+    db = dst if layer is None else dst[layer:layer + 1]
+    total = 0
+    for s0, d0, n in runs if runs is not None else block_runs(src_blocks, dst_blocks):
+        part = sa[:, :, s0:s0 + n, :, sh]
+        db[:, :, d0:d0 + n, :, dh].copy_(part, non_blocking=non_blocking)
+        total += part.numel() * part.element_size()
+    return total
+
+
 def copy_sharded(src: ShardedPool, src_blocks: Sequence[int], dst: ShardedPool, dst_blocks: Sequence[int],
                  inner: Callable[..., int], layer: int | None = None, non_blocking: bool = False) -> int:
     """Copy blocks between two groups' pools, re-slicing heads; returns the bytes written."""
@@ -85,14 +105,9 @@ def copy_sharded(src: ShardedPool, src_blocks: Sequence[int], dst: ShardedPool, 
     runs = None
     for i, j, s, d in plan(src, dst):
         a, b = src.shards[i], dst.shards[j]
-        if s == slice(0, a.shape[4]) and d == slice(0, b.shape[4]):  # whole shards line up: a plain copy
+        if whole(s, a.shape[4]) and whole(d, b.shape[4]):  # whole shards line up: a plain copy
             total += inner(a, src_blocks, b, dst_blocks, layer=layer, non_blocking=non_blocking)
             continue
         runs = runs or block_runs(src_blocks, dst_blocks)
-        sa = a if layer is None else a[layer:layer + 1]
-        db = b if layer is None else b[layer:layer + 1]
-        for s0, d0, n in runs:
-            part = sa[:, :, s0:s0 + n, :, s]
-            db[:, :, d0:d0 + n, :, d].copy_(part, non_blocking=non_blocking)
-            total += part.numel() * part.element_size()
+        total += copy_heads(a, src_blocks, s, b, dst_blocks, d, layer, non_blocking, runs)
     return total

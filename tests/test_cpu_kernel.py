@@ -211,3 +211,30 @@ def test_the_fused_mlp_is_transformers_mlp_to_float_rounding():
     for a, b in zip(plain.get_decoder().layers, fused.get_decoder().layers):
         assert b.mlp.forward is not type(b.mlp).forward
         torch.testing.assert_close(b.mlp(x), a.mlp(x), rtol=1e-5, atol=1e-6)
+
+
+@needs_cc
+def test_exp_is_accurate_under_the_kernels_float_flags():
+    """silu(g) * 1 = g * exp(g) / (1 + exp(g)) for g << 0 carries exp's relative error: the kernels are built
+    with associative float math, which must not undo exp's two-part ln2 (that once cost 62 ulps)."""
+    g = torch.linspace(-86.0, -8.0, 4096)
+    gate_up = torch.cat([g[:, None], torch.ones(4096, 1)], dim=1).reshape(64, 128)  # rows of [gate 64 | up 64]
+    gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+    got = cpu_kernel.swiglu(gate_up).double().flatten()
+    x = gate_up[:, :64].double().flatten()
+    want = x / (1 + torch.exp(-x))
+    assert ((got - want) / want).abs().max().item() < 4 * 2.0 ** -24  # within 4 ulps
+
+
+@needs_cc
+@pytest.mark.parametrize("width", [256, 40, 7])  # whole vectors, a tail, a tail only
+def test_rms_norm_matches_torch(width):
+    torch.manual_seed(width)
+    w = torch.rand(width) + 0.5
+    x = torch.randn(6, 9, width + 3)[:, :, 3:] * 4  # rows at a stride: read in place, not copied
+    got = cpu_kernel.rms_norm(x, w, 1e-6)
+    assert got.shape == x.shape and got.is_contiguous()
+    torch.testing.assert_close(got, F.rms_norm(x, (width,), w, 1e-6), rtol=2e-6, atol=1e-6)
+    assert cpu_kernel.rms_norm(torch.randn(4, 6, width)[:, ::2].transpose(0, 1), w, 1e-6) is None  # no one row stride
+    assert cpu_kernel.rms_norm(x.bfloat16(), w, 1e-6) is None  # float32 only: the caller runs torch's op
+    assert cpu_kernel.rms_norm(torch.randn(width, 3).t(), w, 1e-6) is None  # no unit stride over width

@@ -1,14 +1,21 @@
-"""The fused RMSNorm is transformers' RMSNorm, bit for bit, in float32; other dtypes keep transformers'."""
+"""The fused RMSNorm is transformers' RMSNorm in float32: bit for bit through torch's op, to float rounding through
+pdlab's CPU kernel; other dtypes keep transformers'."""
 
 import pytest
 import torch
 
-from pdlab.engine import load_model
+from pdlab.engine import cpu_kernel, load_model
 from pdlab.engine.fused_norm import fuse_rms_norms
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("preset,per_layer", [("tiny-llama", 2), ("tiny-qwen3", 4)])  # qwen3: q_norm, k_norm
-def test_every_norm_is_fused_and_computes_the_same_bits(preset, per_layer):
+def test_every_norm_is_fused_and_computes_transformers_norm(preset, per_layer, kernel, monkeypatch):
+    if kernel and cpu_kernel.load() is None:
+        pytest.skip(f"CPU kernels: {cpu_kernel.status()}")
+    if not kernel:
+        cpu_kernel.load()  # first, so that it cannot set the kernel back
+        monkeypatch.setattr(cpu_kernel, "_norm", None)  # torch's op: the same bits
     model = load_model(preset)
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert len(norms) == per_layer * model.config.num_hidden_layers + 1  # and the final norm
@@ -18,7 +25,11 @@ def test_every_norm_is_fused_and_computes_the_same_bits(preset, per_layer):
         width = m.weight.shape[0]
         for shape in ((1, 37, width), (3, 5, 2, width), (1, 1, width)):
             x = torch.randn(shape, generator=g) * 3
-            assert torch.equal(m(x), type(m).forward(m, x))  # the class's own forward is transformers'
+            want = type(m).forward(m, x)  # the class's own forward is transformers'
+            if kernel:
+                torch.testing.assert_close(m(x), want, rtol=2e-6, atol=1e-6)
+            else:
+                assert torch.equal(m(x), want)
 
 
 def test_other_dtypes_keep_transformers_forward():

@@ -1,7 +1,7 @@
 """pdlab's CPU kernels, built once per machine and called through ctypes: decode attention
 (csrc/decode_attention.c), causal prefill attention of a chunk over itself (csrc/prefill_attention.c),
-rotary embedding (csrc/rotary.c) and the SwiGLU activation (csrc/swiglu.c); csrc/vec_math.h holds what they
-share (vectors, exp, softmax rows).
+rotary embedding (csrc/rotary.c), the SwiGLU activation (csrc/swiglu.c) and RMSNorm (csrc/rms_norm.c);
+csrc/vec_math.h holds what they share (vectors, exp, softmax rows).
 
 Why a kernel: a decode step attends each request's one query token to its whole context. In torch that is a
 few small ops per request and layer (two matmuls, a softmax), each costing more in dispatch and in MKL's
@@ -10,7 +10,8 @@ of the gap to vLLM's CPU engine, which runs its own C++ kernel there. This one d
 a layer in one call, reading K/V in place from the paged pool. The prefill kernel beats torch's flash SDPA
 at head_dim 32 (which runs it at ~61 GFLOP/s here). The rotary kernel replaces transformers' five ops (two
 products, a negation, a concatenation, a sum: a pass and a temporary each) with one pass giving the same
-bits; the SwiGLU one does silu(gate) * up in one pass after the fused gate/up GEMM (pdlab.engine.fused_linear).
+bits; the SwiGLU one does silu(gate) * up in one pass after the fused gate/up GEMM (pdlab.engine.fused_linear),
+and the RMSNorm one a row in one pass where torch's op makes five (pdlab.engine.fused_norm).
 All are single-threaded: every CPU rank pdlab starts has one core.
 
 Why ctypes and plain C: no torch headers, so the build takes about a second with the system's C compiler
@@ -44,13 +45,14 @@ BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]  # vectorised for this
 FLAGS = {"decode_attention": BASE_FLAGS + ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
                                            "-fno-trapping-math"],
          "rotary": BASE_FLAGS + ["-ffp-contract=off"]}
-FLAGS["prefill_attention"] = FLAGS["swiglu"] = FLAGS["decode_attention"]
+FLAGS["prefill_attention"] = FLAGS["swiglu"] = FLAGS["rms_norm"] = FLAGS["decode_attention"]
 MAX_GROUP, MAX_DIM = 32, 256  # the kernel's limits (query heads per K/V head, head_dim), as in the source
 
 _lib: Optional[ctypes.CDLL] = None  # decode attention
 _rotary: Optional[ctypes.CDLL] = None
 _prefill: Optional[ctypes.CDLL] = None
 _swiglu: Optional[ctypes.CDLL] = None
+_norm: Optional[ctypes.CDLL] = None
 _status = ""
 
 
@@ -114,15 +116,15 @@ def build(name: str = "decode_attention") -> str:
 def load() -> Optional[ctypes.CDLL]:
     """The decode-attention library (the rotary one loaded with it), or None (the reason is in `status()`);
     tried once per process."""
-    global _lib, _rotary, _prefill, _swiglu, _status
+    global _lib, _rotary, _prefill, _swiglu, _norm, _status
     if _lib is not None or _status:
         return _lib
     if os.environ.get("PDLAB_CPU_KERNEL", "1") == "0":
         _status = "off (PDLAB_CPU_KERNEL=0)"
         return None
     try:
-        lib, rot, pre, act = (ctypes.CDLL(build(name)) for name in ("decode_attention", "rotary", "prefill_attention",
-                                                                      "swiglu"))
+        lib, rot, pre, act, norm = (ctypes.CDLL(build(name)) for name in (
+            "decode_attention", "rotary", "prefill_attention", "swiglu", "rms_norm"))
     except Exception as e:  # noqa: BLE001 - any failure means the torch path, with the reason kept
         _status = f"unavailable ({e}); using torch ops"
         return None
@@ -135,7 +137,9 @@ def load() -> Optional[ctypes.CDLL]:
     pre.pdlab_prefill_attention.restype = ctypes.c_int
     act.pdlab_swiglu.argtypes = [p, l, l, l, p]
     act.pdlab_swiglu.restype = None
-    _lib, _rotary, _prefill, _swiglu, _status = lib, rot, pre, act, "built"
+    norm.pdlab_rms_norm.argtypes = [p, l, l, l, p, fl, p]
+    norm.pdlab_rms_norm.restype = None
+    _lib, _rotary, _prefill, _swiglu, _norm, _status = lib, rot, pre, act, norm, "built"
     return lib
 
 
@@ -224,7 +228,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
         if x.stride(2) != 1:
             raise ValueError("prefill_attention: tensors need unit stride over head_dim")
     n, heads, head_dim = q.shape
-    scratch = torch.empty((head_dim + PREFILL_ROWS) * n, dtype=torch.float32)
+    scratch = torch.empty((head_dim + PREFILL_ROWS) * (-(-n // 16) * 16), dtype=torch.float32)  # rows padded to 16
     rc = pre.pdlab_prefill_attention(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
         v.stride(1), n, heads, k.shape[1], head_dim, scale, out.data_ptr(), out.stride(0), out.stride(1),
@@ -248,4 +252,25 @@ def swiglu(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
         return None
     out = torch.empty((*gate_up.shape[:-1], width), dtype=torch.float32)
     act.pdlab_swiglu(flat.data_ptr(), flat.shape[0], width, flat.stride(0), out.data_ptr())
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torch.Tensor]:
+    """weight * x / sqrt(mean(x^2, -1) + eps) in one pass per row, for float32 x [..., width] with unit stride
+    over width and rows that flatten to one stride; None where the kernel does not apply (the caller then runs
+    torch's op)."""
+    if not _status:
+        load()
+    norm = _norm
+    if (norm is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or x.dim() < 1 or x.stride(-1) != 1 or not weight.is_contiguous() or weight.shape != x.shape[-1:]):
+        return None
+    width = x.shape[-1]
+    try:
+        flat = x.view(-1, width)  # no copy: rows that a view cannot flatten fall back
+    except RuntimeError:
+        return None
+    out = torch.empty(x.shape, dtype=torch.float32)
+    norm.pdlab_rms_norm(flat.data_ptr(), flat.shape[0], width, flat.stride(0) if flat.shape[0] > 1 else width,
+                        weight.data_ptr(), eps, out.data_ptr())
     return out

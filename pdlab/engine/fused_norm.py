@@ -1,10 +1,13 @@
-"""RMSNorm as one fused op: torch's `F.rms_norm` in place of transformers' five-op Python forward.
+"""RMSNorm as one op: pdlab's CPU kernel, or torch's `F.rms_norm`, in place of transformers' five-op forward.
 
 transformers' Llama and Qwen3 RMSNorm upcast, square, average, scale by the reciprocal root and multiply by
-the weight, each a pass over the activations; torch's fused op makes one. In float32 the two are the same
-function, bit for bit (tests/test_fused_norm.py), so pdlab's token parity with transformers is untouched;
-other dtypes keep transformers' forward, whose order of casts the fused op does not follow. At a
-2,000-token prefill of cpu-demo the fused norm takes about half the time (one core; BENCHMARKS.md).
+the weight, each a pass over the activations. In float32:
+- on CPU, pdlab's kernel (pdlab.engine.cpu_kernel, csrc/rms_norm.c) makes one pass per row. Its sum of
+  squares runs in sixteen lanes, so it agrees with transformers to float rounding, like the attention
+  kernels: token parity with transformers is what the engine tests check;
+- elsewhere, or with the kernel off, torch's `F.rms_norm`, which is transformers' function bit for bit
+  (tests/test_fused_norm.py). On CPU it runs as separate ops (about 2.5 GB/s here, a tenth of a copy).
+Other dtypes keep transformers' forward, whose order of casts neither follows.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from pdlab.engine import cpu_kernel
 
 
 def _is_rms_norm(module: Any) -> bool:
@@ -37,6 +42,10 @@ def _fused_forward(module: Any) -> Any:
     def forward(hidden_states: torch.Tensor) -> torch.Tensor:
         if hidden_states.dtype != torch.float32 or module.weight.dtype != torch.float32:
             return original(hidden_states)
+        if hidden_states.device.type == "cpu":
+            out = cpu_kernel.rms_norm(hidden_states, module.weight, module.variance_epsilon)
+            if out is not None:
+                return out
         return F.rms_norm(hidden_states, shape, module.weight, module.variance_epsilon)
 
     return forward

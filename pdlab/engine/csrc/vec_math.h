@@ -18,7 +18,31 @@ static inline vec16 select16(ivec16 mask, vec16 a, vec16 b) { /* mask ? a : b la
     return (vec16)((mask & (ivec16)a) | (~mask & (ivec16)b));
 }
 
-/* exp(x) on sixteen lanes, x clamped to [-87, 88] (no infinities, no denormals) */
+/* exp(x) on sixteen lanes, x clamped to [-87, 88] (no infinities, no denormals): x = n ln2 + r with
+   |r| <= ln2 / 2 (ln2 in two parts, Cody-Waite), e^r by Cephes' polynomial, times 2^n. About 1.4 ulp from
+   the exact value. The kernels are built with associative float math, which would be free to undo
+   Cody-Waite's split: the AVX-512 path computes through fused multiply-add intrinsics, which the compiler
+   does not rewrite, and the generic one keeps r in memory between the two steps. */
+#define EXP_C1 0.693359375f
+#define EXP_C2 -2.12194440e-4f /* ln2 = C1 + C2 */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+/* AVX-512: round to nearest and scale by 2^n in one instruction each (about 17 operations, against 24) */
+static inline vec16 exp16(vec16 x) {
+    const __m512 v = _mm512_min_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C1), v);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C2), r);
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+    return (vec16)_mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n);
+}
+#else
 static inline vec16 exp16(vec16 x) {
     x = select16(x < splat16(-87.0f), splat16(-87.0f), x);
     x = select16(x > splat16(88.0f), splat16(88.0f), x);
@@ -26,16 +50,18 @@ static inline vec16 exp16(vec16 x) {
     ivec16 n = __builtin_convertvector(fx, ivec16);
     vec16 fn = __builtin_convertvector(n, vec16);
     fn = select16(fn > fx, fn - 1.0f, fn); /* floor: truncation rounds negatives up */
-    x = x - fn * 0.693359375f + fn * 2.12194440e-4f;
-    vec16 z = x * x;
-    vec16 y = ((((1.9875691500e-4f * x + 1.3981999507e-3f) * x + 8.3334519073e-3f) * x + 4.1665795894e-2f) * x
-               + 1.6666665459e-1f) * x + 5.0000001201e-1f;
-    y = y * z + x + 1.0f;
+    vec16 r = x - fn * EXP_C1;
+    __asm__("" : "+m"(r)); /* no reassociation across this point */
+    r = r - fn * EXP_C2;
+    __asm__("" : "+m"(r));
+    const vec16 y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
+                     + 1.6666665459e-1f) * r + 5.0000001201e-1f;
     ivec16 e = (__builtin_convertvector(fn, ivec16) + 127) << 23;
     vec16 p;
     memcpy(&p, &e, sizeof p);
-    return y * p;
+    return (y * (r * r) + r + 1.0f) * p;
 }
+#endif
 
 static inline float exp1(float x) { return exp16(splat16(x))[0]; }
 
@@ -63,7 +89,13 @@ static inline float exp_sum(float *s, int n, float mx) {
     }
     float sum = 0.0f;
     for (int j = 0; j < 16; j++) sum += sum16[j];
-    for (; i < n; i++) { s[i] = exp1(s[i] - mx); sum += s[i]; }
+    if (i < n) { /* the last n % 16 in one vector (a lane's exp costs as much as sixteen) */
+        float tail[16];
+        const int m = n - i;
+        for (int j = 0; j < 16; j++) tail[j] = j < m ? s[i + j] - mx : -87.0f;
+        const vec16 e = exp16(load16(tail));
+        for (int j = 0; j < m; j++) { s[i + j] = e[j]; sum += e[j]; }
+    }
     return sum;
 }
 

@@ -114,8 +114,8 @@ def build(name: str = "decode_attention") -> str:
 
 
 def load() -> Optional[ctypes.CDLL]:
-    """The decode-attention library (the rotary one loaded with it), or None (the reason is in `status()`);
-    tried once per process."""
+    """The decode-attention library (every other kernel loaded with it, all or none), or None (the reason is in
+    `status()`); tried once per process."""
     global _lib, _rotary, _prefill, _swiglu, _norm, _status
     if _lib is not None or _status:
         return _lib

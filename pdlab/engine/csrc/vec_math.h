@@ -1,6 +1,6 @@
 /* Shared by pdlab's CPU kernels: sixteen-float vectors (GCC/Clang vector extension: AVX-512, two AVX
-   registers or NEON, generic code elsewhere) and exp by a Cephes-style polynomial (about 1 ulp, like SLEEF's
-   expf_u10 that torch uses), written so that it vectorises. */
+   registers or NEON, generic code elsewhere) and exp by a Cephes-style polynomial (about 1.4 ulp; SLEEF's
+   expf_u10 that torch uses is within 1), written so that it vectorises. */
 
 #ifndef PDLAB_VEC_MATH_H
 #define PDLAB_VEC_MATH_H
@@ -23,22 +23,30 @@ static inline vec16 select16(ivec16 mask, vec16 a, vec16 b) { /* mask ? a : b la
    the exact value. The kernels are built with associative float math, which would be free to undo
    Cody-Waite's split: the AVX-512 path computes through fused multiply-add intrinsics, which the compiler
    does not rewrite, and the generic one keeps r in memory between the two steps. */
+#define EXP_LOG2E 1.44269504088896341f
 #define EXP_C1 0.693359375f
 #define EXP_C2 -2.12194440e-4f /* ln2 = C1 + C2 */
+/* e^r = 1 + r + r^2 (P0 r^5 + P1 r^4 + P2 r^3 + P3 r^2 + P4 r + P5), |r| <= ln2 / 2 (Cephes' expf) */
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
 #if defined(__AVX512F__)
 #include <immintrin.h>
 /* AVX-512: round to nearest and scale by 2^n in one instruction each (about 17 operations, against 24) */
 static inline vec16 exp16(vec16 x) {
     const __m512 v = _mm512_min_ps(_mm512_max_ps((__m512)x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(1.44269504088896341f)),
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(v, _mm512_set1_ps(EXP_LOG2E)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C1), v);
     r = _mm512_fnmadd_ps(n, _mm512_set1_ps(EXP_C2), r);
-    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.9875691500e-4f), r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(EXP_P0), r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
     return (vec16)_mm512_scalef_ps(_mm512_add_ps(p, _mm512_set1_ps(1.0f)), n);
 }
@@ -46,7 +54,7 @@ static inline vec16 exp16(vec16 x) {
 static inline vec16 exp16(vec16 x) {
     x = select16(x < splat16(-87.0f), splat16(-87.0f), x);
     x = select16(x > splat16(88.0f), splat16(88.0f), x);
-    vec16 fx = x * 1.44269504088896341f + 0.5f;
+    vec16 fx = x * EXP_LOG2E + 0.5f;
     ivec16 n = __builtin_convertvector(fx, ivec16);
     vec16 fn = __builtin_convertvector(n, vec16);
     fn = select16(fn > fx, fn - 1.0f, fn); /* floor: truncation rounds negatives up */
@@ -54,8 +62,7 @@ static inline vec16 exp16(vec16 x) {
     __asm__("" : "+m"(r)); /* no reassociation across this point */
     r = r - fn * EXP_C2;
     __asm__("" : "+m"(r));
-    const vec16 y = ((((1.9875691500e-4f * r + 1.3981999507e-3f) * r + 8.3334519073e-3f) * r + 4.1665795894e-2f) * r
-                     + 1.6666665459e-1f) * r + 5.0000001201e-1f;
+    const vec16 y = ((((EXP_P0 * r + EXP_P1) * r + EXP_P2) * r + EXP_P3) * r + EXP_P4) * r + EXP_P5;
     ivec16 e = (__builtin_convertvector(fn, ivec16) + 127) << 23;
     vec16 p;
     memcpy(&p, &e, sizeof p);

@@ -5,6 +5,7 @@
         c.start()
         c.submit("r1", [1, 2, 3], {"max_tokens": 8})
         events = c.poll(1.0)      # TokenEvent, RequestDone, StepEvent, TransferEvent, WorkerFailed
+        c.abort("r1")             # its client gave up: every worker lets go, RequestDone(ok=False) follows
 
 A deployment this machine cannot run (a core or GPU it does not have) raises ClusterError before any
 process starts (see pdlab.serve.topology); its shape was checked by the recipe layer. `stop()`
@@ -17,9 +18,11 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing as mp
+import os
 import secrets
 import shutil
 import tempfile
+import threading
 import time
 import weakref
 from dataclasses import dataclass
@@ -64,6 +67,11 @@ class Cluster:
         self._sock: Any = None
         self._stopped = False
         self._token = 0
+        # wake(): another thread makes a waiting poll() return (a pipe the socket poll also watches)
+        self._wake_lock = threading.Lock()
+        self._wake_fds: Optional[tuple[int, int]] = None
+        self._poller: Any = None
+        self._woken = False
 
     @property
     def workers(self) -> list[WorkerInfo]:
@@ -87,6 +95,12 @@ class Cluster:
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._sock.setsockopt(zmq.LINGER, 0)
             self._sock.bind(endpoint)
+            self._wake_fds = os.pipe()
+            for fd in self._wake_fds:
+                os.set_blocking(fd, False)
+            self._poller = zmq.Poller()
+            self._poller.register(self._sock, zmq.POLLIN)
+            self._poller.register(self._wake_fds[0], zmq.POLLIN)
             states = [WorkerState(p.worker.name, p.worker.role, list(p.worker.devices)) for p in self.placements]
             self.router = Router(self._sock, states, mode=d.mode, first_token=d.first_token,
                                  transfer_timeout_s=d.transfer_timeout_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
@@ -171,6 +185,11 @@ class Cluster:
         deadline = time.monotonic() + REAP_TIMEOUT_S
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
+        with self._wake_lock:
+            if self._wake_fds is not None:
+                for fd in self._wake_fds:
+                    os.close(fd)
+                self._wake_fds = None
         if self._sock is not None:
             self._sock.close(0)
         if self._ctx is not None:
@@ -190,13 +209,30 @@ class Cluster:
     def submit(self, req_id: str, prompt_ids: list[int], params: dict) -> None:
         self._running().submit(req_id, prompt_ids, params)
 
+    def abort(self, req_id: str, reason: str = "aborted") -> None:
+        """Give up a request (its client left, a stop string matched): every worker holding it lets go, and a
+        RequestDone(ok=False, error=reason) follows. Nothing for a request that has already ended."""
+        self._running().abort(req_id, reason)
+
+    def wake(self) -> None:
+        """Make a poll() that is waiting, in another thread, return now (with what it has, maybe nothing): that
+        thread has something to submit. The one method that may be called from any thread."""
+        with self._wake_lock:
+            if self._wake_fds is not None:
+                try:
+                    os.write(self._wake_fds[1], b"w")
+                except BlockingIOError:
+                    pass  # the pipe is full: a wake-up is pending anyway
+
     def poll(self, timeout: float) -> list[Any]:
-        """Events in arrival order; returns as soon as there are any, or after `timeout` seconds."""
+        """Events in arrival order; returns as soon as there are any, after `timeout` seconds, or when wake()
+        was called."""
         r = self._running()
         deadline = time.monotonic() + timeout
+        self._woken = False
         while True:
             self._pump(min(0.05, max(0.0, deadline - time.monotonic())))
-            if r.events or time.monotonic() >= deadline:
+            if r.events or self._woken or time.monotonic() >= deadline:
                 events, r.events = r.events, []
                 return events
 
@@ -205,7 +241,15 @@ class Cluster:
         import zmq
 
         r = self.router
-        if self._sock.poll(int(wait_s * 1000), zmq.POLLIN):
+        ready = dict(self._poller.poll(int(wait_s * 1000)))
+        if self._wake_fds is not None and self._wake_fds[0] in ready:
+            self._woken = True
+            try:
+                while os.read(self._wake_fds[0], 4096):
+                    pass
+            except BlockingIOError:
+                pass
+        if self._sock in ready:
             while True:
                 try:
                     frames = self._sock.recv_multipart(zmq.NOBLOCK)

@@ -52,6 +52,8 @@ class HandOverFailures:
     def _apply_policy(self, req: Any, reason: str) -> None:
         """The hand-over failed and nothing writes into the decode blocks any more: fail, or recompute."""
         req.fencing, req.handoff_t = None, 0.0
+        if req.cancelled is not None:  # its client gave it up (Router.abort): end it, do not recompute
+            return self._done(req, False, req.cancelled)
         d = self.workers.get(req.decode or "")
         if self.on_failure != "recompute" or d is None or d.failed is not None:
             return self._done(req, False, f"KV hand-over failed: {reason}")

@@ -65,6 +65,7 @@ class _Req:
     handoff_t: float = 0.0  # when the KV hand-over began (timeout clock)
     route: str = "remote"  # where its prompt is prefilled (constants.PREFILL_ROUTES)
     fencing: Optional[str] = None  # push: the hand-over failed for this reason; waiting for the prefill to stop
+    cancelled: Optional[str] = None  # abort(): why the client gave it up; it ends once nothing writes for it
 
 
 class Router(HandOverFailures):
@@ -121,6 +122,25 @@ class Router(HandOverFailures):
                 return self._done(req, False, "no live decode worker")
             req.decode = d.name
             self._give(req, d.name, m.Reserve(req_id, req.prompt_ids, req.params))
+
+    def abort(self, req_id: str, reason: str = "aborted") -> None:
+        """End a request its client gave up on (a stop string matched, the client left, shutdown): every worker
+        holding it lets go, and it is reported done (not ok, `reason`). In push mode, while its prefill worker
+        may still be writing into the decode blocks, the decode side is told only after that worker stopped
+        (the same fence as a failed hand-over, pdlab.serve.handover). Unknown or finished requests: nothing."""
+        req = self.reqs.get(req_id)
+        if req is None or req.cancelled is not None:
+            return
+        req.cancelled = reason
+        if req.fencing is not None:
+            return  # already waiting for the prefill worker to stop: _apply_policy ends it
+        p = self.workers.get(req.prefill or "")
+        if (self.mode == "push" and req.route == "remote" and req.decode is not None and p is not None
+                and p.failed is None and req_id in p.holds and "prefill_end" not in req.phases):
+            req.fencing = reason
+            p.holds.discard(req_id)
+            return self.send(p.name, m.Abort(req_id))
+        self._done(req, False, reason)
 
     def _prefill_locally(self, req: _Req) -> bool:
         """Selective routing: a prompt with fewer uncached tokens than the threshold, after what the chosen

@@ -7,8 +7,9 @@ import sys
 
 import pytest
 
+from pdlab.external.loop import ClientLoop
 from pdlab.external.server import HOST, Server, ServerError, ServerSpec, free_port
-from pdlab.external.stream import completion_body, stream_completion
+from pdlab.external.stream import chunk_tokens, completion_body, stream_completion
 from test_run_faults import alive
 
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fake_vllm.py")
@@ -33,8 +34,14 @@ def test_tokens_of_one_chunk_share_the_chunk_time(server, tmp_path):
 
     server.wait_ready(time.monotonic() + 30)
     got = []
-    final = stream_completion(server.spec.port, completion_body([1, 2, 3], 7, stream=True),
-                              lambda ids, t: got.append((ids, t)), timeout=30)
+    loop = ClientLoop("test", 30.0)
+    loop.start()
+    try:
+        final = loop.call(stream_completion(loop.session, f"http://{HOST}:{server.spec.port}/v1/completions",
+                                            completion_body([1, 2, 3], 7, stream=True),
+                                            lambda event, t: got.append((chunk_tokens(event), t))), timeout=30)
+    finally:
+        loop.close()
     assert [len(ids) for ids, _ in got] == [3, 3, 1]  # chunks as the server sent them
     assert [t for _, t in got] == sorted(t for _, t in got)
     assert final["usage"]["completion_tokens"] == 7 and final["finish_reason"] == "length"

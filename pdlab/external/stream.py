@@ -1,104 +1,147 @@
-"""The HTTP client of an external server: OpenAI `/v1/completions`, token-id prompts, streamed.
+"""The HTTP client's requests, as coroutines on one aiohttp session (pdlab.external.loop): OpenAI
+`/v1/completions` streamed as server-sent events, and plain JSON calls.
 
-The standard library is enough: http.client decodes the chunked body and readline() returns each
-server-sent event's `data:` line as soon as it is complete, so no HTTP dependency is added.
+Token times are stamped at the client as `vllm bench serve` stamps them: time.monotonic() (pdlab's one
+clock) the moment a `data:` line has been read, before it is parsed. A chunk may carry several tokens; the
+caller gets the chunk and its one time (pdlab.external.client keeps chunk sizes for ITL per chunk).
 
-Token times are stamped at the client, as `vllm bench serve` stamps them: the moment a chunk's line has
-been read (time.monotonic(), pdlab's one clock). A chunk may carry several tokens; they all get that
-chunk's time (see docs/external.md for what that does to ITL).
+Errors are StreamError, one line naming the URL and what went wrong; they never quote request headers (an
+API key travels in them). `status` is the HTTP status when the server answered, `connection` tells a
+server that could not be reached or broke the connection off from one that refused the request.
 """
 
 from __future__ import annotations
 
-import http.client
+import asyncio
 import json
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
+
+import aiohttp
 
 from pdlab.constants import SERVED_MODEL_NAME
-from pdlab.external.server import HOST
+
+ERROR_TEXT = 300  # characters of a server's error message quoted
 
 
 class StreamError(RuntimeError):
     """A request the server refused or broke off; one line."""
 
+    def __init__(self, message: str, status: Optional[int] = None, connection: bool = False,
+                 not_streamed: bool = False):
+        super().__init__(message)
+        self.status, self.connection, self.not_streamed = status, connection, not_streamed
 
-def completion_body(prompt_ids: list[int], max_tokens: int, *, stream: bool, ignore_eos: bool = True,
-                    extra: Optional[dict] = None) -> dict:
-    """Greedy, fixed-length: temperature 0 and ignore_eos, as the in-house run asks of pdlab's engine."""
-    body = {"model": SERVED_MODEL_NAME, "prompt": list(prompt_ids), "max_tokens": int(max_tokens),
-            "temperature": 0.0, "ignore_eos": ignore_eos, "stream": stream, "return_token_ids": True}
+
+def completion_body(prompt: Union[list[int], str], max_tokens: int, *, stream: bool, model: str = SERVED_MODEL_NAME,
+                    ignore_eos: bool = True, extra: Optional[dict] = None) -> dict:
+    """Greedy, fixed-length: temperature 0 and ignore_eos (vLLM's extension), as the in-house run asks of
+    pdlab's engine. `return_token_ids` asks vLLM for the ids of each chunk; servers that do not know it
+    ignore it (then the chunk's text is counted, pdlab.external.endpoint)."""
+    body = {"model": model, "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "max_tokens": int(max_tokens), "temperature": 0.0, "ignore_eos": ignore_eos, "stream": stream,
+            "return_token_ids": True}
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body | (extra or {})
 
 
-def _open(port: int, path: str, body: dict, timeout: float) -> tuple[http.client.HTTPConnection, Any]:
-    conn = http.client.HTTPConnection(HOST, port, timeout=timeout)
-    data = json.dumps(body).encode()
+def server_message(text: str) -> str:
+    """The message of an OpenAI-style error body ({"error": {"message": ...}}), else the text, on one line."""
     try:
-        conn.request("POST", path, body=data, headers={"Content-Type": "application/json"})
-        resp = conn.getresponse()
-    except (OSError, http.client.HTTPException) as e:
-        conn.close()
-        raise StreamError(f"{HOST}:{port}{path}: {e.__class__.__name__}: {e}") from None
-    if resp.status != 200:
-        text = resp.read(2000).decode(errors="replace").strip().replace("\n", " ")
-        conn.close()
-        raise StreamError(f"{HOST}:{port}{path}: HTTP {resp.status}: {text[:300]}")
-    return conn, resp
+        obj = json.loads(text)
+        err = obj.get("error", obj) if isinstance(obj, dict) else obj
+        if isinstance(err, dict):
+            text = str(err.get("message") or err.get("detail") or err)
+        elif isinstance(err, str):
+            text = err
+    except ValueError:
+        pass
+    return " ".join(text.split())[:ERROR_TEXT]
 
 
-def post_json(port: int, path: str, body: dict, timeout: float) -> dict:
-    conn, resp = _open(port, path, body, timeout)
+def _broken(url: str, e: BaseException) -> StreamError:
+    what = "no answer in time" if isinstance(e, asyncio.TimeoutError) else f"{e.__class__.__name__}: {e}"
+    return StreamError(f"{url}: {' '.join(what.split())[:ERROR_TEXT]}", connection=True)
+
+
+async def _refused(url: str, resp: aiohttp.ClientResponse) -> StreamError:
+    text = (await resp.content.read(2000)).decode(errors="replace")
+    return StreamError(f"{url}: HTTP {resp.status}: {server_message(text) or resp.reason}", status=resp.status)
+
+
+async def request_json(session: aiohttp.ClientSession, method: str, url: str, body: Optional[dict] = None,
+                       headers: Optional[dict] = None, timeout: Optional[float] = None) -> Any:
+    """One JSON call; the decoded body of a 200 answer."""
+    kw: dict = {"headers": headers or {}}
+    if body is not None:
+        kw["json"] = body
+    if timeout is not None:
+        kw["timeout"] = aiohttp.ClientTimeout(total=timeout)
     try:
-        return json.loads(resp.read())
-    except (OSError, http.client.HTTPException, ValueError) as e:
-        raise StreamError(f"{HOST}:{port}{path}: bad response ({e.__class__.__name__})") from None
-    finally:
-        conn.close()
+        async with session.request(method, url, **kw) as resp:
+            if resp.status != 200:
+                raise await _refused(url, resp)
+            data = await resp.read()
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        raise _broken(url, e) from None
+    try:
+        return json.loads(data)
+    except ValueError:
+        raise StreamError(f"{url}: an answer that is not JSON: {data[:100]!r}", status=200) from None
 
 
 def chunk_tokens(event: dict) -> list[int]:
-    """The token ids one streamed chunk carries (none for the usage chunk)."""
-    choices = event.get("choices") or []
-    return [int(t) for c in choices for t in (c.get("token_ids") or [])]
+    """The token ids one streamed chunk carries (vLLM's `token_ids`; none for the usage chunk)."""
+    return [int(t) for c in event.get("choices") or [] for t in (c.get("token_ids") or [])]
 
 
-def stream_completion(port: int, body: dict, on_tokens: Callable[[list[int], float], None],
-                      timeout: float) -> dict:
-    """POST a streaming completion; call `on_tokens(ids, t)` per chunk that carries tokens, `t` stamped when
-    its line was read. Returns the last event that had a finish_reason (or {}) and the usage, if sent."""
-    conn, resp = _open(port, "/v1/completions", body, timeout)
+def chunk_text(event: dict) -> str:
+    return "".join(str(c.get("text") or "") for c in event.get("choices") or [])
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict,
+                            on_chunk: Callable[[dict, float], None], headers: Optional[dict] = None,
+                            timeout: Optional[float] = None) -> dict:
+    """POST a streaming completion; `on_chunk(event, t)` for every chunk with choices, `t` stamped when its
+    line was read. Returns {"usage": ..., "finish_reason": ...} as far as the server sent them."""
     final: dict = {}
+    kw: dict = {"headers": headers or {}, "json": body}
+    if timeout is not None:
+        kw["timeout"] = aiohttp.ClientTimeout(total=timeout)
     try:
-        while True:
-            line = resp.readline()
-            if not line:
-                break
-            t = time.monotonic()
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
-                return final
-            try:
-                event = json.loads(data)
-            except ValueError:
-                raise StreamError(f"{HOST}:{port}: a chunk that is not JSON: {data[:100]!r}") from None
-            if "error" in event and not event.get("choices"):
-                raise StreamError(f"{HOST}:{port}: {str(event['error'])[:300]}")
-            ids = chunk_tokens(event)
-            if ids:
-                on_tokens(ids, t)
-            if event.get("usage"):
-                final["usage"] = event["usage"]
-            for c in event.get("choices") or []:
-                if c.get("finish_reason"):
-                    final["finish_reason"] = c["finish_reason"]
-    except (OSError, http.client.HTTPException) as e:
-        raise StreamError(f"{HOST}:{port}: stream broken off ({e.__class__.__name__})") from None
-    finally:
-        conn.close()
-    raise StreamError(f"{HOST}:{port}: stream ended without [DONE]")
+        async with session.post(url, **kw) as resp:
+            if resp.status != 200:
+                raise await _refused(url, resp)
+            ctype = resp.headers.get("Content-Type", "")
+            if "text/event-stream" not in ctype:
+                raise StreamError(f"{url}: does not stream: it answered stream: true with {ctype or 'no content type'}"
+                                  ", not server-sent events", status=200, not_streamed=True)
+            async for raw in resp.content:
+                t = time.monotonic()
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue  # blank separators, comments (": ping"), event names
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    return final
+                try:
+                    event = json.loads(data)
+                except ValueError:
+                    raise StreamError(f"{url}: a chunk that is not JSON: {data[:100]!r}") from None
+                if event.get("error") and not event.get("choices"):
+                    raise StreamError(f"{url}: {server_message(json.dumps(event))}")
+                if event.get("choices"):
+                    on_chunk(event, t)
+                    for c in event["choices"]:
+                        if c.get("finish_reason"):
+                            final["finish_reason"] = c["finish_reason"]
+                if event.get("usage"):
+                    final["usage"] = event["usage"]
+    except StreamError:
+        raise
+    except ValueError as e:  # aiohttp: a line longer than its buffer
+        raise StreamError(f"{url}: {e}") from None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        raise _broken(url, e) from None
+    raise StreamError(f"{url}: the stream ended without [DONE]", connection=True)

@@ -36,35 +36,52 @@ def as_rate(rate: Any) -> float:
     return math.inf if isinstance(rate, str) and rate.lower() in ("inf", "infinity") else float(rate)
 
 
-def timings(arrival: float, token_times: list[float]) -> dict:
+def chunk_times(token_times: list[float], chunks: Optional[list[int]] = None) -> list[float]:
+    """The time of each delivery: of every token, or, with `chunks` (tokens per streamed chunk, an HTTP
+    client's record), of every chunk (its tokens share its time). Sizes that do not add up to the tokens
+    are ignored (every token is then its own delivery)."""
+    if not chunks or sum(chunks) != len(token_times) or any(int(c) < 1 for c in chunks):
+        return list(token_times)
+    out, i = [], 0
+    for c in chunks:
+        out.append(token_times[i])
+        i += int(c)
+    return out
+
+
+def timings(arrival: float, token_times: list[float], chunks: Optional[list[int]] = None) -> dict:
     """TTFT, E2EL, TPOT and the ITL gaps (seconds) of one request.
 
-    TTFT = first token - arrival; E2EL = last token - arrival; ITL = consecutive gaps;
-    TPOT = (E2EL - TTFT) / (output tokens - 1), None with a single token.
+    TTFT = first token - arrival; E2EL = last token - arrival; ITL = consecutive gaps between deliveries:
+    between tokens, or with `chunks` between streamed chunks; TPOT = (E2EL - TTFT) / (output tokens - 1), None
+    with a single token. With chunks, ITL is per chunk and TPOT per token, as `vllm bench serve` has them.
     """
     if not token_times:
         return {"ttft": None, "e2el": None, "tpot": None, "itl": []}
     ttft = token_times[0] - arrival
     e2el = token_times[-1] - arrival
     n = len(token_times)
+    times = chunk_times(token_times, chunks)
     return {"ttft": ttft, "e2el": e2el, "tpot": (e2el - ttft) / (n - 1) if n > 1 else None,
-            "itl": [b - a for a, b in zip(token_times, token_times[1:])]}
+            "itl": [b - a for a, b in zip(times, times[1:])]}
 
 
 def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list[int], output_ids: list[int],
                          arrival: float, token_times: list[float], slo: SLO, error: Optional[str] = None,
                          phases: Optional[dict] = None, workers: Optional[dict] = None, cached_tokens: int = 0,
                          warmup: bool = False, repeat: int = 0, delivery_lag: Optional[list[float]] = None,
-                         route: Optional[str] = None) -> dict:
+                         route: Optional[str] = None, client: Optional[dict] = None) -> dict:
     """One requests.jsonl line from what the router collected: raw timestamps in, metrics and SLO verdict out.
 
     `workers`: {"prefill": name, "decode": name} (unified: the same name for both, or {"unified": name}).
     A request is ok when it has no error and at least one token. `token_times` are the workers' stamps;
     `delivery_lag` (seconds per token) is how long each took to reach the router. `route`: where its prompt
     was prefilled (`prefill_route`, one of constants.PREFILL_ROUTES; None when it never got that far).
+    `client`: what an HTTP client of an external server saw (`chunks`, `usage`, ...), kept in the record.
     """
     workers = workers or {}
-    t = timings(arrival, token_times)
+    client = client or {}
+    t = timings(arrival, token_times, client.get("chunks"))
     ok = error is None and len(token_times) > 0
     rec = {"variant": variant, "rate": rate, "repeat": repeat, "id": id, "prompt_len": len(prompt_ids),
            "output_len": len(output_ids), "cached_tokens": int(cached_tokens or 0), "arrival": arrival,
@@ -73,7 +90,8 @@ def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list
            "delivery_lag": list(delivery_lag or []), "prompt_ids": list(prompt_ids),
            "output_ids": list(output_ids), "ok": ok,
            "error": error}
-    rec.update(request_slo(ok, t["ttft"], t["itl"], slo))
+    rec.update(request_slo(ok, t["ttft"], t["itl"], slo, t["tpot"]))
+    rec.update({k: v for k, v in client.items() if k not in rec})
     rec["prefill_worker"] = workers.get("prefill", workers.get("unified"))
     rec["decode_worker"] = workers.get("decode", workers.get("unified"))
     rec["prefill_route"] = route
@@ -95,8 +113,8 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
     per = []
     for r in reqs:
         ok = bool(r.get("ok")) and bool(r.get("token_times"))
-        t = timings(r["arrival"], r.get("token_times") or [])
-        v = dict(r, ok=ok, **t, **request_slo(ok, t["ttft"], t["itl"], slo))
+        t = timings(r["arrival"], r.get("token_times") or [], r.get("chunks"))
+        v = dict(r, ok=ok, **t, **request_slo(ok, t["ttft"], t["itl"], slo, t["tpot"]))
         per.append(v)
     good = [r for r in per if r["ok"]]
     met = sum(1 for r in per if r["slo_ok"])

@@ -32,16 +32,19 @@ def itl_value(gaps: list[float], stat: str) -> Optional[float]:
     raise ValueError(f"unknown itl_stat {stat!r}; expected one of {', '.join(STATS)}")
 
 
-def request_slo(ok: bool, ttft: Optional[float], gaps: list[float], slo: SLO) -> dict:
+def request_slo(ok: bool, ttft: Optional[float], gaps: list[float], slo: SLO, tpot: Optional[float] = None) -> dict:
     """SLO verdict of one request. A failed request meets nothing. A request with one output token has
     no gaps: its ITL is met by definition (there was nothing to wait for after the first token).
 
     `slo_tpot_ok` is the verdict with TPOT (the mean gap) in place of the declared statistic: the
-    definition DistServe and `vllm bench serve --goodput` use, reported beside pdlab's own."""
-    value = itl_value(gaps, slo.itl_stat)
+    definition DistServe and `vllm bench serve --goodput` use, reported beside pdlab's own. `tpot`: the
+    request's TPOT when its gaps are per streamed chunk (several tokens each), where the mean gap is not
+    TPOT; `itl_stat: mean` then judges it too."""
+    if tpot is None or not gaps:
+        tpot = itl_value(gaps, "mean")
+    value = tpot if slo.itl_stat == "mean" else itl_value(gaps, slo.itl_stat)
     ttft_ok = bool(ok and ttft is not None and ttft * 1000.0 <= slo.ttft_ms)
     itl_ok = bool(ok and (value is None or value * 1000.0 <= slo.itl_ms))
-    tpot = itl_value(gaps, "mean")
     tpot_ok = bool(ttft_ok and (tpot is None or tpot * 1000.0 <= slo.itl_ms))
     return {"slo_ttft_ok": ttft_ok, "slo_itl_ok": itl_ok, "slo_ok": ttft_ok and itl_ok, "slo_itl_value": value,
             "slo_tpot_ok": tpot_ok}

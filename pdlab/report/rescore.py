@@ -42,21 +42,21 @@ def _groups(requests: Iterable[dict]) -> dict[str, dict[int, dict[float, list[di
     return g
 
 
-def _verdicts(records: list[dict]) -> list[tuple[bool, Optional[float], list[float]]]:
-    """(ok, ttft, gaps) of each record, recomputed from its raw fields as the summary does."""
+def _verdicts(records: list[dict]) -> list[tuple[bool, Optional[float], list[float], Optional[float]]]:
+    """(ok, ttft, gaps, tpot) of each record, recomputed from its raw fields as the summary does."""
     out = []
     for r in records:
         ok = bool(r.get("ok")) and bool(r.get("token_times"))
-        t = timings(r["arrival"], r.get("token_times") or [])
-        out.append((ok, t["ttft"], t["itl"]))
+        t = timings(r["arrival"], r.get("token_times") or [], r.get("chunks"))
+        out.append((ok, t["ttft"], t["itl"], t["tpot"]))
     return out
 
 
-def attainment(judged: list[tuple[bool, Optional[float], list[float]]], slo: SLO) -> Optional[float]:
+def attainment(judged: list[tuple[bool, Optional[float], list[float], Optional[float]]], slo: SLO) -> Optional[float]:
     """Requests meeting `slo` / requests sent (failed requests stay in the denominator); None when none."""
     if not judged:
         return None
-    return sum(1 for ok, ttft, gaps in judged if request_slo(ok, ttft, gaps, slo)["slo_ok"]) / len(judged)
+    return sum(1 for ok, ttft, gaps, tpot in judged if request_slo(ok, ttft, gaps, slo, tpot)["slo_ok"]) / len(judged)
 
 
 def _estimate(gs: list[dict]) -> dict:

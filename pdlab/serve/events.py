@@ -28,6 +28,9 @@ class RequestDone:
     decode_worker: Optional[str]
     phases: dict  # queued, prefill_start, prefill_end, transfer_start, transfer_end, admitted, sent
     route: str = "unified"  # where its prompt was prefilled: one of constants.PREFILL_ROUTES
+    # what an HTTP client of an external server saw (pdlab.external.client): `chunks` (tokens per streamed
+    # chunk: ITL per chunk), `usage` (the server's token counts), `prompt_as`; None for pdlab's own engine
+    client: Optional[dict] = None
 
 
 @dataclass

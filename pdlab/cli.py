@@ -8,6 +8,8 @@ from typing import Any, List, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
+from pdlab.constants import API_KEY_ENV, SERVE_HOST, SERVE_PORT, SERVE_SHUTDOWN_TIMEOUT_S
+
 
 def _clean_types(params: list) -> list:
     """Help that reads cleanly: an option that takes a value shows its metavar (RECIPE, DIR, R, LIST), a flag
@@ -160,6 +162,35 @@ def plan(
     from pdlab.commands.plan import main
 
     raise typer.Exit(main(recipe, set_ or [], devices, modes, validate, out, json_))
+
+
+@app.command(cls=_Command)
+def serve(
+    recipe: str = typer.Argument(..., metavar="RECIPE", help="Recipe YAML file"),
+    variant: str = typer.Option(..., "--variant", metavar="NAME", help="The variant whose deployment to serve"),
+    host: str = typer.Option(SERVE_HOST, "--host", metavar="HOST", help="Address to listen on (not loopback: a "
+                                                                         "warning; give an API key)"),
+    port: int = typer.Option(SERVE_PORT, "--port", metavar="PORT", help="Port to listen on (0: any free port)"),
+    set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help="Override a recipe key "
+                                                                                      "(repeatable)"),
+    out: Optional[str] = typer.Option(None, "--out", metavar="DIR", help="Run directory (default: "
+                                                                         "runs/<recipe>-serve-<variant>-<time>)"),
+    api_key: Optional[str] = typer.Option(None, "--api-key", metavar="KEY",
+                                          help=f"Every route but /health needs `Authorization: Bearer KEY` "
+                                               f"(default: ${API_KEY_ENV}; neither: no key)"),
+    served_model_name: Optional[str] = typer.Option(None, "--served-model-name", metavar="NAME",
+                                                    help="The model's name in the API (default: the recipe's "
+                                                         "preset or path)"),
+    drain: bool = typer.Option(True, "--drain/--no-drain", help="On SIGTERM or Ctrl-C, let the requests in flight "
+                                                                "finish (default) or cancel them"),
+    shutdown_timeout: float = typer.Option(SERVE_SHUTDOWN_TIMEOUT_S, "--shutdown-timeout", metavar="S",
+                                           help="Draining: cancel what still runs after S seconds"),
+) -> None:
+    """Serve one variant's deployment as an OpenAI-compatible API; records what it serves in a run directory."""
+    from pdlab.commands.serve import main
+
+    raise typer.Exit(main(recipe, variant, host, port, set_ or [], out, api_key, served_model_name, drain,
+                          shutdown_timeout))
 
 
 if __name__ == "__main__":

@@ -57,6 +57,12 @@ EXTERNAL_BACKENDS = ("vllm",)
 VLLM_PYTHON = ".venv-vllm/bin/python"  # scripts/vllm-env.sh creates it; relative paths are from the cwd
 VLLM_KV_CACHE_GB = 2.0  # VLLM_CPU_KVCACHE_SPACE per CPU server (GiB)
 SERVED_MODEL_NAME = "pdlab"  # the name pdlab's client asks an external server for
+# pdlab serve (pdlab.api): an OpenAI-compatible server in front of one variant's deployment
+SERVE_HOST = "127.0.0.1"  # loopback unless --host says otherwise (which warns)
+SERVE_PORT = 8000
+SERVE_BACKENDS = ("pdlab", "vllm")  # engine backends it can put behind its API (an endpoint already is one)
+API_KEY_ENV = "PDLAB_API_KEY"  # the API key, when --api-key is not given
+SERVE_MAX_BODY_BYTES = 32 * 1024 * 1024  # a request body (a long prompt as token ids is ~7 bytes a token)
 MODEL_CACHE_DIR = "runs/models"  # presets saved with save_pretrained for external servers
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "auto": "auto"}
@@ -71,6 +77,7 @@ STOP_TIMEOUT_S = 10.0  # stop(): Stop message, then SIGTERM, then SIGKILL within
 REAP_TIMEOUT_S = 120.0  # stop(): then wait this long more for SIGKILLed workers to be gone (reaped)
 SERVER_READY_TIMEOUT_S = 300.0  # an external server (vLLM: 60-75 s on a 2-core box) is healthy within this
 STALL_TIMEOUT_S = 300.0  # a run with no event at all for this long is stuck
+SERVE_SHUTDOWN_TIMEOUT_S = 60.0  # pdlab serve: SIGTERM lets requests in flight finish this long, then cancels
 
 
 def cdiv(a: int, b: int) -> int:

@@ -79,6 +79,13 @@ class Cluster:
         return [WorkerInfo(w.name, w.role, list(w.devices), getattr(procs.get(w.name), "proc", None) and
                            procs[w.name].proc.pid) for w in self.deployment.workers]
 
+    @property
+    def kv_tokens(self) -> Optional[int]:
+        """The fewest tokens any worker's KV pool holds, once started: no request longer than that can be
+        served (None before start)."""
+        ws = [w for w in self.router.workers.values() if w.ready] if self.router else []
+        return min((w.kv_blocks * w.block_size for w in ws), default=None)
+
     # ---- lifecycle ----
     def start(self, timeout: float = READY_TIMEOUT_S) -> None:
         import zmq

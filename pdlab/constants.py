@@ -77,6 +77,14 @@ STOP_TIMEOUT_S = 10.0  # stop(): Stop message, then SIGTERM, then SIGKILL within
 REAP_TIMEOUT_S = 120.0  # stop(): then wait this long more for SIGKILLed workers to be gone (reaped)
 SERVER_READY_TIMEOUT_S = 300.0  # an external server (vLLM: 60-75 s on a 2-core box) is healthy within this
 STALL_TIMEOUT_S = 300.0  # a run with no event at all for this long is stuck
+KERNEL_BUILD_TIMEOUT_S = 120.0  # one CPU kernel's compilation (pdlab.engine.kernel_build)
+
+# ---- CPU kernels (pdlab.engine.cpu_kernel) ----
+CPU_KERNELS = ("decode_attention", "prefill_attention", "rotary", "swiglu", "rms_norm")
+# PDLAB_CPU_KERNEL: auto (build, and use each kernel where it timed faster than the torch path it replaces on
+# this machine), on (use every kernel that builds and applies, untimed) or off (torch only)
+CPU_KERNEL_ENV = "PDLAB_CPU_KERNEL"
+CPU_KERNEL_MODES = ("auto", "on", "off")
 SERVE_SHUTDOWN_TIMEOUT_S = 60.0  # pdlab serve: SIGTERM lets requests in flight finish this long, then cancels
 
 

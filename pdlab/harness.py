@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pdlab.constants import STALL_TIMEOUT_S
+from pdlab.measure.kernels import KernelLog
 from pdlab.measure.metrics import build_request_record
 from pdlab.measure.records import RunDir
 from pdlab.measure.search import RateSearch
@@ -94,6 +95,7 @@ class Harness:
         self.alone_by_variant: dict[str, Alone] = {}  # each variant's own deployment
         self.searches: dict[tuple[str, int], dict] = {}  # (variant, repeat) -> saturation rps and trials
         self.paths = TransportPaths(rd, view)  # the KV path each variant actually took: env.json, live view
+        self.kernels = KernelLog(rd, view)  # the CPU kernels each variant's workers ran: env.json, summary
 
     def facts(self, warnings: list[str]) -> dict:
         """What the summary needs beyond the records (pdlab.measure.summary.summarize_run)."""
@@ -104,7 +106,7 @@ class Harness:
                 "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
                                     for n, v in self.recipe.variants.items()},
                 "floors": {k: s["floor"] for k, s in self.searches.items() if s.get("floor")},
-                "warnings": list(warnings),
+                "warnings": list(warnings) + self.kernels.warnings, "kernels": self.kernels.facts(),
                 "modelled": {n: v.model.timing.describe() for n, v in self.recipe.variants.items() if v.model.modelled}}
 
     def run(self) -> None:
@@ -172,6 +174,7 @@ class Harness:
             cluster.start()
             for w in cluster.workers:
                 self.view.update_worker(w.name, role=w.role, devices=",".join(w.devices))
+            self.kernels.record(variant, cluster.workers)
             self.paths.start(variant, v.deployment)
             # this deployment's own time for one request alone: the D of its M/D/1 check (chunking or a
             # KV hand-over make it differ from the calibration's unified worker)

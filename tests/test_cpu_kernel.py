@@ -1,8 +1,10 @@
-"""pdlab's CPU kernels: built here; decode attention equal to SDPA on paged K/V, causal prefill attention
-equal to SDPA, rotary equal to transformers bit for bit; the engine's torch paths where they cannot be
-built."""
+"""pdlab's CPU kernels: built here as C11 without warnings, for this CPU and for the AVX2 and plain-C paths;
+decode attention equal to SDPA on paged K/V, causal prefill attention equal to SDPA, rotary equal to
+transformers bit for bit, SwiGLU and RMSNorm to float rounding, on every path; the engine's torch paths where
+they cannot be built. (Which of them a runner uses is pdlab.engine.kernel_check's: tests/test_kernel_check.py.)"""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -12,10 +14,27 @@ import torch
 import torch.nn.functional as F
 
 from engine_helpers import engine, hf_greedy, prompts, reference, run
-from pdlab.engine import cpu_kernel
+from pdlab.constants import CPU_KERNEL_ENV
+from pdlab.engine import cpu_kernel, kernel_build
 from pdlab.engine.cpu_kernel import DecodeBatch
+from pdlab.engine.kernel_check import Shape, applies
 
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler here")
+FLAGS = kernel_build.cpu_flags().split()
+# every path vec_math.h has that this CPU can run: its own (-march=native), AVX2 with FMA (x86-64-v3) and plain
+# C (x86-64: SSE2 only, libm's expf); AVX-512 is the native path on a box that has it
+TARGETS = ["native"] + (["x86-64-v3"] if {"avx2", "fma"} <= set(FLAGS) else []) + (
+    ["x86-64"] if "sse2" in FLAGS else [])
+
+
+@pytest.fixture(scope="module", params=TARGETS)
+def kernels(request):
+    """One build of every kernel for a target, with -Werror: a warning fails the build, and so the test."""
+    if shutil.which(os.environ.get("CC") or "cc") is None:
+        pytest.skip("no C compiler here")
+    k = cpu_kernel.Kernels(request.param, werror=True)
+    assert not k.errors, k.errors
+    return k
 
 
 def reference_attention(q, kv, rows, tables, lens, block_size, scale):
@@ -30,15 +49,24 @@ def reference_attention(q, kv, rows, tables, lens, block_size, scale):
 
 
 @needs_cc
-def test_the_kernel_builds_on_this_machine():
+def test_the_kernels_build_on_this_machine():
     assert cpu_kernel.status() == "built"
+
+
+def test_the_sources_use_no_compiler_builtins():
+    """C11 and the x86 intrinsics headers only: GCC 11 (Ubuntu 22.04, RHEL 8/9) lacks __builtin_shufflevector,
+    and one kernel that does not build used to take every other one down with it."""
+    for name in sorted(os.listdir(kernel_build.CSRC)):
+        with open(os.path.join(kernel_build.CSRC, name)) as f:
+            code = re.sub(r"/\*.*?\*/|//[^\n]*", "", f.read(), flags=re.S)  # comments may name them
+        assert "__builtin" not in code, name
 
 
 @needs_cc
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 64), (16, 8, 128), (8, 1, 64),
                                                      (6, 2, 24), (12, 4, 40)])  # the last two: generic loops
 @pytest.mark.parametrize("block_size", [16, 5])
-def test_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, block_size):
+def test_matches_sdpa_over_scattered_blocks(kernels, heads, kv_heads, head_dim, block_size):
     torch.manual_seed(heads * 1000 + head_dim + block_size)
     num_blocks = 400
     kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim)
@@ -54,7 +82,7 @@ def test_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, block_siz
     rows = [0, 2, 3, 5, 6, 8, 9, 11, 13]
     out = torch.full_like(q, float("nan"))
     scale = head_dim ** -0.5
-    cpu_kernel.decode_attention(q, kv[0], kv[1], DecodeBatch(rows, tables, lens), scale, out)
+    kernels.decode_attention(q, kv[0], kv[1], DecodeBatch(rows, tables, lens), scale, out)
     ref = reference_attention(q, kv, rows, tables, lens, block_size, scale)
     for r in rows:
         torch.testing.assert_close(out[r], ref[r], rtol=1e-5, atol=1e-5)
@@ -62,12 +90,13 @@ def test_matches_sdpa_over_scattered_blocks(heads, kv_heads, head_dim, block_siz
     assert torch.isnan(out[others]).all(), "rows that are not decode rows were written"
 
 
-@needs_cc
 def test_limits_are_refused_not_overrun():
-    assert not cpu_kernel.usable(torch.float32, 8 * 64, 8, 64)  # 64 query heads per K/V head
-    assert not cpu_kernel.usable(torch.float32, 8, 8, 512)
-    assert not cpu_kernel.usable(torch.bfloat16, 8, 2, 64)  # float32 only: bf16 pools take the torch path
-    assert cpu_kernel.usable(torch.float32, 8, 2, 64)
+    from pdlab.engine.kernel_check import Shape, applies
+
+    assert applies("decode_attention", Shape(8 * 64, 8, 64, 64, 64), torch.float32)  # 64 query heads per K/V head
+    assert applies("decode_attention", Shape(8, 8, 512, 64, 64), torch.float32)
+    assert applies("decode_attention", Shape(8, 2, 64, 64, 64), torch.bfloat16)  # float32 only: bf16 takes torch
+    assert applies("decode_attention", Shape(8, 2, 64, 64, 64), torch.float32) is None
 
 
 def _status_in_subprocess(env: dict) -> str:
@@ -79,7 +108,7 @@ def _status_in_subprocess(env: dict) -> str:
 
 
 def test_switched_off_or_without_a_compiler_the_torch_path_is_used(tmp_path):
-    assert _status_in_subprocess({"PDLAB_CPU_KERNEL": "0"}) == "off (PDLAB_CPU_KERNEL=0)"
+    assert _status_in_subprocess({CPU_KERNEL_ENV: "0"}) == f"off ({CPU_KERNEL_ENV}=off)"
     status = _status_in_subprocess({"CC": "/nonexistent/cc", "PDLAB_KERNEL_CACHE": str(tmp_path)})
     assert status.startswith("unavailable (no C compiler") and "torch" in status
     assert os.listdir(tmp_path) == []
@@ -88,10 +117,52 @@ def test_switched_off_or_without_a_compiler_the_torch_path_is_used(tmp_path):
 @needs_cc
 def test_a_cached_build_is_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("PDLAB_KERNEL_CACHE", str(tmp_path))
-    first = cpu_kernel.build()
+    first = kernel_build.build("decode_attention")
     mtime = os.stat(first).st_mtime_ns
-    assert cpu_kernel.build() == first and os.stat(first).st_mtime_ns == mtime
-    assert os.listdir(tmp_path) == [os.path.basename(first)], "a temporary file was left behind"
+    assert kernel_build.build("decode_attention") == first and os.stat(first).st_mtime_ns == mtime
+    assert sorted(os.listdir(tmp_path)) == [".lock", os.path.basename(first)], "a temporary file was left behind"
+
+
+@needs_cc
+def test_workers_starting_together_compile_once_and_ask_the_compiler_once(tmp_path):
+    """Three processes build kernels into one empty cache at the same time: each kernel is compiled once
+    (a file lock), each process asks `cc --version` once, and a temporary file left by a killed build is
+    swept."""
+    log = tmp_path / "cc.log"
+    cc = tmp_path / "cc"
+    cc.write_text(f"#!/bin/sh\necho \"$$ $*\" >> {log}\nexec {shutil.which(os.environ.get('CC') or 'cc')} \"$@\"\n")
+    cc.chmod(0o755)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / f"rotary-0000000000000000.so{kernel_build.TMP_MARK}4242").write_text("half-written")
+    env = {**os.environ, "CC": str(cc), "PDLAB_KERNEL_CACHE": str(cache)}
+    kernels = ("swiglu", "rms_norm")  # the two smallest: two builds a process, one `cc --version`
+    code = f"from pdlab.engine import kernel_build as b; print(all(b.build(n) for n in {kernels!r}))"
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    assert [p.communicate(timeout=300)[0].strip() for p in procs] == ["True"] * 3
+    calls = log.read_text().splitlines()
+    compiles = [c for c in calls if "--version" not in c]
+    assert len(compiles) == len(kernels), compiles
+    versions = [c.split()[0] for c in calls if "--version" in c]
+    assert len(versions) == len(set(versions)) <= 3, calls  # once per process at most (none on a cache hit)
+    assert not [f for f in os.listdir(cache) if kernel_build.TMP_MARK in f]
+
+
+@needs_cc
+def test_one_kernel_that_fails_to_build_leaves_the_others(monkeypatch):
+    """Loading is per kernel: a build error costs that kernel only, and says why."""
+    real = kernel_build.build  # the usual cache: the other kernels are built already
+
+    def build(name, *a, **kw):
+        if name == "swiglu":
+            raise kernel_build.BuildError("cc failed on swiglu.c: an error")
+        return real(name, *a, **kw)
+
+    monkeypatch.setattr(cpu_kernel, "build", build)
+    k = cpu_kernel.Kernels()
+    assert set(k.fns) == set(cpu_kernel.SIGNATURES) - {"swiglu"}
+    assert k.status() == "built except swiglu (cc failed on swiglu.c: an error)"
 
 
 @needs_cc
@@ -103,9 +174,7 @@ def test_engine_matches_transformers_with_and_without_the_kernel(preset, kernel,
     real, real_prefill = cpu_kernel.decode_attention, cpu_kernel.prefill_attention
     monkeypatch.setattr(cpu_kernel, "decode_attention", lambda *a: (calls.append(1), real(*a)))
     monkeypatch.setattr(cpu_kernel, "prefill_attention", lambda *a: (prefills.append(1), real_prefill(*a)))
-    if not kernel:
-        monkeypatch.setattr(cpu_kernel, "usable", lambda *a: False)
-        monkeypatch.setattr(cpu_kernel, "prefill_usable", lambda *a: False)
+    monkeypatch.setenv(CPU_KERNEL_ENV, "on" if kernel else "off")  # untimed: the path under test, whatever is faster
     reqs = prompts([5, 17, 40, 33, 64, 1, 90])
     eng = engine(preset, block_size=16, kv_blocks=128)
     outs, _ = run(eng, reqs, max_tokens=24)
@@ -117,7 +186,7 @@ def test_engine_matches_transformers_with_and_without_the_kernel(preset, kernel,
 
 @needs_cc
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-def test_rotary_is_transformers_bit_for_bit(preset):
+def test_rotary_is_transformers_bit_for_bit(kernels, preset, monkeypatch):
     """The one-pass rotary kernel rounds exactly as transformers' five ops, for the layout the attention
     layers hand over (a transposed projection), and the engine's model uses it only inside a step."""
     import sys
@@ -138,11 +207,12 @@ def test_rotary_is_transformers_bit_for_bit(preset):
     rope = type(m.get_decoder().rotary_emb)(m.config)
     cos, sin = rope(q, torch.arange(tokens).unsqueeze(0) * 7)
     want_q, want_k = original(q, k, cos, sin)
-    got_q, got_k = cpu_kernel.rotary(q, cos, sin), cpu_kernel.rotary(k, cos, sin)
+    got_q, got_k = kernels.rotary(q, cos, sin), kernels.rotary(k, cos, sin)
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert got_q.stride() == want_q.stride()
     calls = []
     real = cpu_kernel.rotary
+    monkeypatch.setattr(cpu_kernel, "_off", {})
     try:
         cpu_kernel.rotary = lambda *a: (calls.append(1), real(*a))[1]
         mod.apply_rotary_pos_emb(q, k, cos, sin)  # outside an engine step: transformers' own ops
@@ -158,11 +228,11 @@ def test_rotary_is_transformers_bit_for_bit(preset):
 @needs_cc
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (16, 8, 64), (8, 8, 128), (4, 1, 16), (16, 2, 32)])
 @pytest.mark.parametrize("n", [1, 7, 16, 33, 300])
-def test_prefill_matches_causal_sdpa(heads, kv_heads, head_dim, n):
+def test_prefill_matches_causal_sdpa(kernels, heads, kv_heads, head_dim, n):
     """One chunk over itself, causally, for views with row strides as the packed batch has them (and a V whose
     rows are wider than its heads, as the fused q/k/v projection leaves them)."""
     if heads // kv_heads > cpu_kernel.PREFILL_ROWS:
-        assert not cpu_kernel.prefill_usable(torch.float32, heads, kv_heads, head_dim)
+        assert applies("prefill_attention", Shape(heads, kv_heads, head_dim, 64, 64), torch.float32)
         return
     torch.manual_seed(n * 7 + head_dim)
     rows = n + 5
@@ -170,40 +240,43 @@ def test_prefill_matches_causal_sdpa(heads, kv_heads, head_dim, n):
     k = torch.randn(rows, kv_heads, head_dim)[2:2 + n]
     v = torch.randn(rows, 3 * kv_heads, head_dim)[2:2 + n, kv_heads:2 * kv_heads]
     out = torch.full((n + 3, heads, head_dim), float("nan"))
-    cpu_kernel.prefill_attention(q, k, v, head_dim ** -0.5, out[1:1 + n])
+    kernels.prefill_attention(q, k, v, head_dim ** -0.5, out[1:1 + n])
     ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                          is_causal=True, enable_gqa=True)[0].transpose(0, 1)
     torch.testing.assert_close(out[1:1 + n], ref, rtol=1e-5, atol=1e-5)
     assert torch.isnan(out[0]).all() and torch.isnan(out[1 + n:]).all()
 
 
-@needs_cc
 def test_prefill_limits():
-    assert cpu_kernel.prefill_usable(torch.float32, 8, 2, 32)
-    assert not cpu_kernel.prefill_usable(torch.float32, 8, 2, 24)  # head_dim not a multiple of 16
-    assert not cpu_kernel.prefill_usable(torch.float32, 16, 1, 64)  # 16 query heads per K/V head
-    assert not cpu_kernel.prefill_usable(torch.bfloat16, 8, 2, 32)
+    def ok(*shape, dtype=torch.float32):
+        return applies("prefill_attention", Shape(*shape, 64, 64), dtype) is None
+
+    assert ok(8, 2, 32)
+    assert not ok(8, 2, 24)  # head_dim not a multiple of 16
+    assert not ok(16, 1, 64)  # 16 query heads per K/V head
+    assert not ok(8, 2, 32, dtype=torch.bfloat16)
 
 
 @needs_cc
 @pytest.mark.parametrize("width", [768, 40, 7])  # whole vectors, a tail, a tail only
-def test_swiglu_matches_silu_times_up(width):
+def test_swiglu_matches_silu_times_up(kernels, width):
     torch.manual_seed(width)
     gate_up = torch.randn(33, 2 * width + 5)[:, 5:] * 6  # strided rows, values into exp's tails
-    got = cpu_kernel.swiglu(gate_up)
+    got = kernels.swiglu(gate_up)
     want = F.silu(gate_up[:, :width]) * gate_up[:, width:]
     torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-6)
     big = torch.tensor([[-200.0, 200.0, 0.0, -0.0, 3.0, 3.0, 100.0, -100.0]])  # exp clamped, not inf / nan
-    torch.testing.assert_close(cpu_kernel.swiglu(big), F.silu(big[:, :4]) * big[:, 4:], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kernels.swiglu(big), F.silu(big[:, :4]) * big[:, 4:], rtol=1e-6, atol=1e-6)
 
 
 @needs_cc
-def test_the_fused_mlp_is_transformers_mlp_to_float_rounding():
+def test_the_fused_mlp_is_transformers_mlp_to_float_rounding(monkeypatch):
     import copy
 
     from pdlab.engine import load_model
     from pdlab.engine.fused_linear import fuse_projections
 
+    monkeypatch.setattr(cpu_kernel, "_off", {})  # the kernel, whatever an earlier runner here chose
     plain = load_model("tiny-llama")
     fused = copy.deepcopy(plain)
     fuse_projections(fused)
@@ -214,13 +287,13 @@ def test_the_fused_mlp_is_transformers_mlp_to_float_rounding():
 
 
 @needs_cc
-def test_exp_is_accurate_under_the_kernels_float_flags():
+def test_exp_is_accurate_under_the_kernels_float_flags(kernels):
     """silu(g) * 1 = g * exp(g) / (1 + exp(g)) for g << 0 carries exp's relative error: the kernels are built
     with associative float math, which must not undo exp's two-part ln2 (that once cost 62 ulps)."""
     g = torch.linspace(-86.0, -8.0, 4096)
     gate_up = torch.cat([g[:, None], torch.ones(4096, 1)], dim=1).reshape(64, 128)  # rows of [gate 64 | up 64]
     gate_up = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
-    got = cpu_kernel.swiglu(gate_up).double().flatten()
+    got = kernels.swiglu(gate_up).double().flatten()
     x = gate_up[:, :64].double().flatten()
     want = x / (1 + torch.exp(-x))
     assert ((got - want) / want).abs().max().item() < 4 * 2.0 ** -24  # within 4 ulps
@@ -228,13 +301,13 @@ def test_exp_is_accurate_under_the_kernels_float_flags():
 
 @needs_cc
 @pytest.mark.parametrize("width", [256, 40, 7])  # whole vectors, a tail, a tail only
-def test_rms_norm_matches_torch(width):
+def test_rms_norm_matches_torch(kernels, width):
     torch.manual_seed(width)
     w = torch.rand(width) + 0.5
     x = torch.randn(6, 9, width + 3)[:, :, 3:] * 4  # rows at a stride: read in place, not copied
-    got = cpu_kernel.rms_norm(x, w, 1e-6)
+    got = kernels.rms_norm(x, w, 1e-6)
     assert got.shape == x.shape and got.is_contiguous()
     torch.testing.assert_close(got, F.rms_norm(x, (width,), w, 1e-6), rtol=2e-6, atol=1e-6)
-    assert cpu_kernel.rms_norm(torch.randn(4, 6, width)[:, ::2].transpose(0, 1), w, 1e-6) is None  # no one row stride
-    assert cpu_kernel.rms_norm(x.bfloat16(), w, 1e-6) is None  # float32 only: the caller runs torch's op
-    assert cpu_kernel.rms_norm(torch.randn(width, 3).t(), w, 1e-6) is None  # no unit stride over width
+    assert kernels.rms_norm(torch.randn(4, 6, width)[:, ::2].transpose(0, 1), w, 1e-6) is None  # no one row stride
+    assert kernels.rms_norm(x.bfloat16(), w, 1e-6) is None  # float32 only: the caller runs torch's op
+    assert kernels.rms_norm(torch.randn(width, 3).t(), w, 1e-6) is None  # no unit stride over width

@@ -136,5 +136,5 @@ def test_the_kernel_in_use_is_recorded(monkeypatch):
                                                               "flash_attn": "fake"}
     assert ca.env_summary()["cuda_fp16_bf16"] == "flash-attn"
     monkeypatch.setattr(ca, "flash_module", lambda: None)
-    assert ca.env_summary() == {"cpu": "sdpa", "cuda_fp16_bf16": "sdpa-expanded", "cuda_fp32": "sdpa-expanded",
+    assert ca.env_summary() == {"cuda_fp16_bf16": "sdpa-expanded", "cuda_fp32": "sdpa-expanded",
                                 "flash_attn": None}

@@ -223,9 +223,9 @@ def test_in_place_decode_attention_matches(preset, monkeypatch):
     import pdlab.engine.runner as runner
 
     import pdlab.engine.attention as attention
-    from pdlab.engine import cpu_kernel
+    from pdlab.constants import CPU_KERNEL_ENV
 
-    monkeypatch.setattr(cpu_kernel, "usable", lambda *a: False)
+    monkeypatch.setenv(CPU_KERNEL_ENV, "off")
     monkeypatch.setattr(runner, "VIEW_MIN_CONTEXT", 24)
     in_place = []
     real = attention._attend_in_place

@@ -11,11 +11,10 @@ from pdlab.engine.fused_norm import fuse_rms_norms
 @pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("preset,per_layer", [("tiny-llama", 2), ("tiny-qwen3", 4)])  # qwen3: q_norm, k_norm
 def test_every_norm_is_fused_and_computes_transformers_norm(preset, per_layer, kernel, monkeypatch):
-    if kernel and cpu_kernel.load() is None:
+    if kernel and not (cpu_kernel.load() and "rms_norm" in cpu_kernel.load().fns):
         pytest.skip(f"CPU kernels: {cpu_kernel.status()}")
-    if not kernel:
-        cpu_kernel.load()  # first, so that it cannot set the kernel back
-        monkeypatch.delitem(cpu_kernel._fns, "rms_norm", raising=False)  # torch's op: the same bits
+    # whatever an earlier runner in this process chose (pdlab.engine.kernel_check): the kernel, or torch's op
+    monkeypatch.setattr(cpu_kernel, "_off", {} if kernel else {"rms_norm": "this test: torch's op, the same bits"})
     model = load_model(preset)
     norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
     assert len(norms) == per_layer * model.config.num_hidden_layers + 1  # and the final norm

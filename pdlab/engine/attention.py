@@ -98,17 +98,8 @@ def paged_attention(
 
     out = torch.empty_like(q)
     if ctx.decode_rows is not None:
-        b = ctx.decode_blocks.shape[0]
-        flat = ctx.decode_blocks.view(-1)  # whole blocks, one row each: index_select on 2-D is ~5x faster
-        kd = k_rows.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, n, D]
-        vd = v_rows.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)
-        if expand:
-            qd = q[ctx.decode_rows].unsqueeze(2)  # [B, H, 1, D]
-            od = _sdpa(qd, kd, vd, expand, attn_mask=ctx.decode_mask, scale=scaling)
-        else:  # one query token: a K/V head's query heads are rows of one query ([B, Hkv, G, D]), no GQA
-            qd = q[ctx.decode_rows].view(b, kv_heads, -1, head_dim)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=ctx.decode_mask, scale=scaling)
-        out[ctx.decode_rows] = od.reshape(b, -1, head_dim)
+        out[ctx.decode_rows] = decode_gathered(q[ctx.decode_rows], k_rows, v_rows, ctx.decode_blocks,
+                                               ctx.decode_mask, kv_heads, scaling, expand)
     scale = scaling if scaling is not None else head_dim ** -0.5  # the C kernels take it resolved
     if ctx.decode_batch is not None:
         cpu_kernel.decode_attention(q, k_blocks, v_blocks, ctx.decode_batch, scale, out)
@@ -119,20 +110,45 @@ def paged_attention(
         if seg.blocks is None and ctx.prefill_kernel:
             cpu_kernel.prefill_attention(q[rows], k[rows], v[rows], scale, out[rows])
             continue
-        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         if seg.blocks is None:
-            ks = k[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)
-            vs = v[seg.q_start:seg.q_end].transpose(0, 1).unsqueeze(0)
-            o = _sdpa(qs, ks, vs, expand, is_causal=True, scale=scaling)
-        else:
-            ks = k_rows.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
-            vs = v_rows.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
-            ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
-            o = _sdpa(qs, ks, vs, expand, attn_mask=seg.mask, scale=scaling)
+            out[rows] = prefill_sdpa(q[rows], k[rows], v[rows], scaling, expand)
+            continue
+        qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        ks = k_rows.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
+        vs = v_rows.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
+        ks, vs = ks.transpose(0, 1).unsqueeze(0), vs.transpose(0, 1).unsqueeze(0)
+        o = _sdpa(qs, ks, vs, expand, attn_mask=seg.mask, scale=scaling)
         out[seg.q_start:seg.q_end] = o[0].transpose(0, 1)
     if ctx.layer_hook is not None:
         ctx.layer_hook(layer)
     return out.unsqueeze(0), None
+
+
+def decode_gathered(qd: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, blocks: torch.Tensor,
+                    mask: Optional[torch.Tensor], kv_heads: int, scaling: Optional[float],
+                    expand: bool = False) -> torch.Tensor:
+    """Decode attention in one padded SDPA call over K/V gathered from the requests' blocks: qd [B, H, D] (one
+    query token each), k_rows / v_rows a layer's pool with a block a row, blocks [B, max_blocks] (padded), mask
+    [B, 1, 1, max_blocks * block_size] bool. Returns [B, H, D]. The torch path the decode kernel replaces
+    (pdlab.engine.kernel_check times the two against each other)."""
+    b, head_dim = blocks.shape[0], qd.shape[-1]
+    flat = blocks.view(-1)  # whole blocks, one row each: index_select on 2-D is ~5x faster
+    kd = k_rows.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, n, D]
+    vd = v_rows.index_select(0, flat).view(b, -1, kv_heads, head_dim).transpose(1, 2)
+    if expand:
+        od = _sdpa(qd.unsqueeze(2), kd, vd, expand, attn_mask=mask, scale=scaling)  # [B, H, 1, D]
+    else:  # one query token: a K/V head's query heads are rows of one query ([B, Hkv, G, D]), no GQA
+        od = F.scaled_dot_product_attention(qd.view(b, kv_heads, -1, head_dim), kd, vd, attn_mask=mask,
+                                            scale=scaling)
+    return od.reshape(b, -1, head_dim)
+
+
+def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: Optional[float],
+                 expand: bool = False) -> torch.Tensor:
+    """A chunk over itself, causally, by SDPA: q [n, H, D], k / v [n, Hkv, D] -> [n, H, D]. The torch path the
+    prefill kernel replaces (pdlab.engine.kernel_check times the two against each other)."""
+    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    return _sdpa(qs, ks, vs, expand, is_causal=True, scale=scaling)[0].transpose(0, 1)
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand: bool, **kw: Any) -> torch.Tensor:

@@ -13,7 +13,7 @@ chunked prefill to the math kernel on gathered K/V. So a CUDA runner picks one o
 - `sdpa-expanded`: SDPA with the K/V heads repeated to the query heads (repeat_interleave), so no
   `enable_gqa` and a fused kernel (flash for plain causal, memory-efficient with a mask) applies.
 
-CPU keeps `sdpa`, exactly as it was. `kernel_for` decides; the engine benchmark and env.json record it.
+CPU runs pdlab's kernels or SDPA (pdlab.engine.kernel_check). `kernel_for` decides; the engine benchmark and env.json record it.
 """
 
 from __future__ import annotations
@@ -120,8 +120,9 @@ def describe(device_type: str, dtype: torch.dtype, head_dim: int, block_size: in
 
 
 def env_summary() -> dict:
-    """env.json's `attention`: the kernel each device kind gets in this environment (a run's workers choose
-    by the same rule: pdlab.engine.runner)."""
+    """env.json's `attention`: the kernel a CUDA worker gets in this environment (a run's workers choose by the
+    same rule: pdlab.engine.runner). What CPU workers ran is per worker and measured on the machine: env.json's
+    `cpu_kernels` (pdlab.measure.kernels)."""
     flash = flash_module()
-    return {"cpu": "sdpa", "cuda_fp16_bf16": "flash-attn" if flash is not None else "sdpa-expanded",
+    return {"cuda_fp16_bf16": "flash-attn" if flash is not None else "sdpa-expanded",
             "cuda_fp32": "sdpa-expanded", "flash_attn": flash_version()}

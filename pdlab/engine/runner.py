@@ -17,6 +17,7 @@ from pdlab.constants import cdiv
 from pdlab.engine import cuda_attention as ca
 from pdlab.engine.attention import AttnContext, PrefillSegment, set_context
 from pdlab.engine.blocks import padded_tables
+from pdlab.engine.kernel_check import Shape, choose
 from pdlab.engine.sequence import Sequence
 
 # Decode requests with at least this much context, whose blocks are one contiguous run, attend to their
@@ -42,6 +43,15 @@ def _long(xs: list[int], device: torch.device, code: str = "q") -> torch.Tensor:
     return to_device(torch.frombuffer(array(code, xs), dtype=dtype), device)
 
 
+def kernel_shape(model: Any, kv: torch.Tensor) -> Shape:
+    """What the CPU kernels see of the model on this rank: query heads and MLP width divided among
+    tensor-parallel ranks (pdlab.engine.tensor_parallel), K/V heads and head_dim as the pool holds them."""
+    cfg = model.config
+    world = int(getattr(model, "pdlab_tp", {}).get("world", 1))
+    return Shape(heads=cfg.num_attention_heads // world, kv_heads=kv.shape[-2], head_dim=kv.shape[-1],
+                 hidden=cfg.hidden_size, intermediate=cfg.intermediate_size // world)
+
+
 class ModelRunner:
     def __init__(self, model: Any, kv: torch.Tensor, block_size: int):
         self.model = model
@@ -53,18 +63,17 @@ class ModelRunner:
         self.layer_hook: Optional[Callable[[int], None]] = None
         # Per-request kernels are cheap on a CPU and expensive launches on a GPU: in place on CPU only.
         self.in_place = self.device.type == "cpu"
-        # CPU, float32: every decode request of a step through pdlab's C kernel (pdlab.engine.cpu_kernel)
+        # CPU, float32: pdlab's C kernels where they beat torch here (pdlab.engine.kernel_check): every decode
+        # request of a step in one call, a prefill chunk over itself, rotary, SwiGLU, RMSNorm
         self.cpu_kernel = self.cpu_prefill = False
+        self.kernels: dict[str, Any] = {}  # kernel -> kernel_check.Choice (its worker's Ready message reports them)
         if self.device.type == "cpu":
-            from pdlab.engine import cpu_kernel
             from pdlab.engine.fused_linear import fuse_projections
 
             fuse_projections(model)  # here, not at load: after any tensor-parallel sharding
-
-            cfg = model.config
-            heads = cfg.num_attention_heads
-            self.cpu_kernel = cpu_kernel.usable(kv.dtype, heads, kv.shape[-2], kv.shape[-1])
-            self.cpu_prefill = cpu_kernel.prefill_usable(kv.dtype, heads, kv.shape[-2], kv.shape[-1])
+        self.kernels = choose(kernel_shape(model, kv), kv.dtype, self.device.type)
+        self.cpu_kernel = self.kernels["decode_attention"].use
+        self.cpu_prefill = self.kernels["prefill_attention"].use
         flash = ca.flash_module() if self.device.type == "cuda" else None
         self.kernel = ca.kernel_for(self.device.type, kv.dtype, kv.shape[-1], flash)
         self.paged = self.kernel == "flash-attn" and ca.supports_paged(flash, block_size)

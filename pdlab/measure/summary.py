@@ -111,7 +111,7 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                   relative: Optional[dict] = None,
                   prefill_workers: Optional[dict[str, int]] = None,
                   floors: Optional[dict[tuple[str, int], float]] = None, warnings: Optional[list[str]] = None,
-                  modelled: Optional[dict[str, str]] = None) -> dict:
+                  modelled: Optional[dict[str, str]] = None, kernels: Optional[dict[str, dict]] = None) -> dict:
     """The summary of a run. `grid`: variant -> planned rates or "auto" (variants in run order; one that has no
     records is listed with `ran: false`); default: the variants found in the records. `alone`: the
     calibration ({ttft_ms, itl_ms, ...}); `relative`: the SLO multipliers it resolved; `floors`: (variant,
@@ -181,4 +181,6 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
             "repeats": max((len(v["repeats"]) for v in variants.values()), default=0),
             "confidence": "mean and 95% Student-t interval over repeats",
             "percentiles": "numpy linear interpolation", "latency_unit": "ms", "partial": bool(partial),
-            "reason": reason, "warnings": warn, "modelled": dict(modelled or {}), "variants": variants}
+            "reason": reason, "warnings": warn, "modelled": dict(modelled or {}), "variants": variants,
+            # variant -> {workers: worker -> kernel -> choice, describe: one line} (pdlab.measure.kernels)
+            "kernels": dict(kernels or {})}

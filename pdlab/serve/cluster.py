@@ -25,7 +25,7 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pdlab.constants import HEARTBEAT_TIMEOUT_S, READY_TIMEOUT_S, REAP_TIMEOUT_S, STOP_TIMEOUT_S
@@ -51,6 +51,7 @@ class WorkerInfo:
     role: str
     devices: list[str]
     pid: Optional[int] = None
+    kernels: dict = field(default_factory=dict)  # CPU kernels its engine runs, and why (its Ready message)
 
 
 class Cluster:
@@ -77,7 +78,8 @@ class Cluster:
     def workers(self) -> list[WorkerInfo]:
         procs = self.router.workers if self.router else {}
         return [WorkerInfo(w.name, w.role, list(w.devices), getattr(procs.get(w.name), "proc", None) and
-                           procs[w.name].proc.pid) for w in self.deployment.workers]
+                           procs[w.name].proc.pid, dict(getattr(procs.get(w.name), "kernels", {}) or {}))
+                for w in self.deployment.workers]
 
     @property
     def kv_tokens(self) -> Optional[int]:

@@ -132,6 +132,9 @@ class Ready:
     kv_blocks: int
     block_size: int
     fingerprint: dict = field(default_factory=dict)  # disaggregated roles: pdlab.kv.fingerprint, checked at pairing
+    # which CPU kernels its engine runs and why (pdlab.engine.kernel_check.Choice.to_dict by kernel; {} when no
+    # model runs: a timed engine)
+    kernels: dict = field(default_factory=dict)
 
 
 @message

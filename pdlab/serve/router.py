@@ -49,6 +49,7 @@ class WorkerState:
     holds: set = field(default_factory=set)  # req_ids this worker holds
     cache: PrefixMirror = field(default_factory=PrefixMirror)  # decode, selective routing: its prefix cache
     fingerprint: dict = field(default_factory=dict)  # disaggregated roles: what its KV blocks are (Ready)
+    kernels: dict = field(default_factory=dict)  # CPU kernels its engine runs, and why (Ready)
 
 
 @dataclass
@@ -229,6 +230,7 @@ class Router(HandOverFailures):
             self.stats[w.name] = msg
         elif isinstance(msg, m.Ready):
             w.ready, w.pool, w.kv_blocks, w.block_size = True, msg.pool, msg.kv_blocks, msg.block_size
+            w.kernels = msg.kernels
             w.fingerprint = msg.fingerprint
             w.free_blocks, w.loop_t = msg.kv_blocks, now
         elif isinstance(msg, m.Fatal):

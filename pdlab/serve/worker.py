@@ -164,8 +164,9 @@ class Worker:
             from pdlab.kv.fingerprint import KvFingerprint
 
             fp = KvFingerprint.of(spec.model, self.engine, tp=spec.tp).to_raw()
+        kernels = {n: c.to_dict() for n, c in getattr(self.engine.runner, "kernels", {}).items()}
         self._send(m.Ready(self.name, os.getpid(), handle,
-                           self.engine.blocks.num_blocks, self.engine.config.block_size, fp))
+                           self.engine.blocks.num_blocks, self.engine.config.block_size, fp, kernels))
 
     def _send(self, msg: Any) -> None:
         self.sock.send(m.encode(msg))

@@ -26,13 +26,17 @@ typedef float vec8 __attribute__((vector_size(32)));
 static inline vec8 load8(const float *p) { vec8 x; memcpy(&x, p, sizeof x); return x; }
 static inline void store8(float *p, vec8 x) { memcpy(p, &x, sizeof x); }
 
+/* The sum of a vector's eight lanes, as ((a0 + a4) + (a2 + a6)) + ((a1 + a5) + (a3 + a7)) on every path. */
 static inline float hsum8(vec8 a) {
-    typedef float vec4 __attribute__((vector_size(16)));
-    vec4 lo = __builtin_shufflevector(a, a, 0, 1, 2, 3), hi = __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    vec4 s = lo + hi;
-    vec4 t = __builtin_shufflevector(s, s, 2, 3, 0, 1);
-    s = s + t;
-    return s[0] + s[1];
+#if defined(__AVX__)
+    __m256 v;
+    memcpy(&v, &a, sizeof v);
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+#else
+    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+#endif
 }
 
 /* Scores of every (K/V head, query head) of one request in one pass over its tokens, so each K row is read
@@ -47,7 +51,7 @@ static inline __attribute__((always_inline)) void scores8(
         const int m = n - t0 < block_size ? n - t0 : block_size;
         for (int t = 0; t < m; t++) {
             const float *kt = kb + t * token_stride;
-            for (long c = 0; c < token_stride; c += 16) __builtin_prefetch(kt + PREFETCH_ROWS * token_stride + c);
+            for (long c = 0; c < token_stride; c += 16) PREFETCH(kt + PREFETCH_ROWS * token_stride + c);
             for (int h = 0; h < kv_heads; h++) {
                 const float *kh = kt + h * head_dim;
                 for (int g = 0; g < groups; g++) {
@@ -76,7 +80,7 @@ static inline __attribute__((always_inline)) void attend8(
         const int m = n - t0 < block_size ? n - t0 : block_size;
         for (int t = 0; t < m; t++) {
             const float *kt = kb + t * token_stride;
-            __builtin_prefetch(kt + PREFETCH_ROWS * token_stride);
+            PREFETCH(kt + PREFETCH_ROWS * token_stride);
             for (int g = 0; g < groups; g++) {
                 const float *qg = qh + g * q_head_stride;
                 vec8 a = load8(qg) * load8(kt);
@@ -100,7 +104,7 @@ static inline __attribute__((always_inline)) void attend8(
             const int m = n - t0 < block_size ? n - t0 : block_size;
             for (int t = 0; t < m; t++) {
                 const float *vt = vb + t * token_stride;
-                for (int c2 = 0; c2 < 8 * w; c2 += 16) __builtin_prefetch(vt + PREFETCH_ROWS * token_stride + c2);
+                for (int c2 = 0; c2 < 8 * w; c2 += 16) PREFETCH(vt + PREFETCH_ROWS * token_stride + c2);
                 vec8 x[CHUNK];
                 for (int j = 0; j < w; j++) x[j] = load8(vt + 8 * j);
                 for (int g = 0; g < groups; g++) {

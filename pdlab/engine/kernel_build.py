@@ -1,0 +1,134 @@
+"""Building pdlab's CPU kernels (csrc/<name>.c) into shared objects, once per machine.
+
+Why plain C and the system compiler: no torch headers, so a build takes about a second with `cc` (or $CC) and
+needs neither ninja nor a matching torch build (pdlab.engine.cpu_kernel loads the result with ctypes).
+
+The cache: $PDLAB_KERNEL_CACHE (default ~/.cache/pdlab/kernels), one file per kernel keyed by its source and
+headers, the flags, the compiler's identity and the CPU's feature flags. Workers starting together take a
+file lock around the build, so a kernel is compiled once, not once per worker; the compiler writes to a
+temporary name that is renamed into place, and a temporary left by a build that was killed is removed by the
+next build (under the lock nobody else is compiling). The compiler's identity (`cc --version`) is asked once
+per process, and not at all on a cache hit of the same process.
+
+Every kernel builds as C11 (`-std=c11`) with warnings on; the tests build with `-Werror` and for more than
+one target (`-march=native`, and `x86-64-v3`, the AVX2 path, where this CPU can run it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+from typing import Iterator
+
+from pdlab.constants import KERNEL_BUILD_TIMEOUT_S
+
+CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
+# -Wno-psabi: GCC notes that a 64-byte vector argument changes the ABI without AVX-512; every such function is
+# static inline, so no call crosses an ABI boundary.
+COMMON = ["-std=c11", "-O3", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-psabi"]
+# Associative float math (not -ffast-math: with GCC < 13 that links crtfastmath into a shared object, which turns
+# on flush-to-zero for the whole process) lets the attention's dot products over head_dim vectorise. The rotary
+# kernel must round as torch does: no reassociation, no fused multiply-add.
+REASSOCIATE = ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+FLAGS = {"decode_attention": REASSOCIATE, "prefill_attention": REASSOCIATE, "rotary": ["-ffp-contract=off"],
+         "swiglu": REASSOCIATE, "rms_norm": REASSOCIATE}
+TMP_MARK = ".tmp-"  # in the name of a file being written
+
+
+class BuildError(RuntimeError):
+    """A kernel that could not be built; one line saying why."""
+
+
+def cache_dir() -> str:
+    root = os.environ.get("PDLAB_KERNEL_CACHE")
+    if not root:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "pdlab", "kernels")
+    return root
+
+
+def compiler() -> str:
+    return os.environ.get("CC") or "cc"
+
+
+@functools.lru_cache(maxsize=None)
+def compiler_id(cc: str) -> str:
+    """`cc --version`'s output, asked once per process and compiler."""
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+@functools.lru_cache(maxsize=None)
+def cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.machine()
+
+
+def flags(name: str, march: str = "native", werror: bool = False) -> list[str]:
+    return [*COMMON, f"-march={march}", *FLAGS[name], *(["-Werror"] if werror else [])]
+
+
+@contextlib.contextmanager
+def locked(directory: str) -> Iterator[None]:
+    """An exclusive lock on the cache directory (released when the process dies, whatever the way)."""
+    with open(os.path.join(directory, ".lock"), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def build(name: str, march: str = "native", werror: bool = False) -> str:
+    """The path of kernel `name`'s shared object for `-march=<march>`, built if it is not cached; raises
+    BuildError with the reason."""
+    cc = compiler()
+    if shutil.which(cc) is None:
+        raise BuildError(f"no C compiler ({cc} not found)")
+    source = os.path.join(CSRC, f"{name}.c")
+    argv = flags(name, march, werror)
+    with open(source, "rb") as f:
+        src = f.read()
+    for header in sorted(h for h in os.listdir(CSRC) if h.endswith(".h")):  # included sources change the build
+        with open(os.path.join(CSRC, header), "rb") as f:
+            src += f.read()
+    key = hashlib.sha256(src + " ".join(argv).encode() + compiler_id(cc).encode() + cpu_flags().encode())
+    out_dir = cache_dir()
+    path = os.path.join(out_dir, f"{name}-{key.hexdigest()[:16]}.so")
+    if os.path.isfile(path):
+        return path
+    os.makedirs(out_dir, exist_ok=True)
+    with locked(out_dir):
+        if os.path.isfile(path):  # another process built it while this one waited
+            return path
+        for stale in os.listdir(out_dir):  # left by a build that was killed: nobody else is building now
+            if TMP_MARK in stale:
+                os.unlink(os.path.join(out_dir, stale))
+        tmp = f"{path}{TMP_MARK}{os.getpid()}"
+        try:
+            p = subprocess.run([cc, *argv, source, "-o", tmp, "-lm"], capture_output=True, text=True,
+                               timeout=KERNEL_BUILD_TIMEOUT_S)
+            if p.returncode:
+                lines = p.stderr.strip().splitlines()
+                why = next((x for x in lines if "error" in x), lines[-1] if lines else "?")
+                raise BuildError(f"{cc} failed on {name}.c: {why.strip()}")
+            os.replace(tmp, path)
+        except subprocess.TimeoutExpired:
+            raise BuildError(f"{cc} took over {KERNEL_BUILD_TIMEOUT_S:.0f} s on {name}.c") from None
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return path

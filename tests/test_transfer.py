@@ -164,3 +164,6 @@ def test_doctor_reports_every_transport(capsys):
     if not torch.cuda.is_available():
         assert "no CUDA" in probes["cuda-ipc"]["note"] and "no CUDA" in probes["host"]["note"]
     assert report["cpu"]["cores"] >= 1
+    kernels = report["cpu"]["kernels"]  # what a cpu-demo worker would run here, and why
+    assert set(kernels["choices"]) == {"decode_attention", "prefill_attention", "rotary", "swiglu", "rms_norm"}
+    assert all(c["line"].startswith(("kernel: ", "torch: ")) for c in kernels["choices"].values())

@@ -37,11 +37,29 @@ def cpu_info() -> dict:
         shm_free = st.f_bavail * st.f_frsize
     except OSError:
         pass
-    from pdlab.engine import cpu_kernel
-
     return {"model": model, "cores": os.cpu_count(), "usable_cores": sorted(os.sched_getaffinity(0)),
             "memory_bytes": mem.get("MemTotal", 0), "available_bytes": mem.get("MemAvailable", 0),
-            "dev_shm_free_bytes": shm_free, "decode_kernel": cpu_kernel.status()}
+            "dev_shm_free_bytes": shm_free, "kernels": kernel_info()}
+
+
+def kernel_info(preset: str = "cpu-demo") -> dict:
+    """The CPU kernels' build, and what a one-core worker of `preset` would choose here (timed as a worker
+    times them, on one torch thread; the verdict is cached, so a run's workers then read it)."""
+    import torch
+
+    from pdlab.engine import cpu_kernel
+    from pdlab.engine.kernel_check import Shape, choose
+    from pdlab.engine.model import PRESETS
+
+    p = PRESETS[preset]
+    shape = Shape(p.heads, p.kv_heads, p.head_dim or p.hidden_size // p.heads, p.hidden_size, p.intermediate_size)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        choices = {n: c.to_dict() | {"line": c.describe()} for n, c in choose(shape, torch.float32).items()}
+    finally:
+        torch.set_num_threads(threads)
+    return {"build": cpu_kernel.status(), "preset": preset, "shape": shape.key(), "choices": choices}
 
 
 def gpu_info() -> dict:
@@ -121,7 +139,10 @@ def _print(r: dict) -> None:
     c = r["cpu"]
     con.print(f"[bold]CPU[/] {c['model']}: {c['cores']} cores (usable {c['usable_cores']}), "
               f"{c['memory_bytes'] / 2**30:.1f} GiB memory, {c['dev_shm_free_bytes'] / 2**30:.1f} GiB free in /dev/shm")
-    con.print(f"  CPU decode-attention kernel (pdlab.engine.cpu_kernel): {c['decode_kernel']}")
+    k = c["kernels"]
+    con.print(f"  CPU kernels (pdlab.engine.cpu_kernel): {k['build']}; for a {k['preset']} worker here:")
+    for name, choice in k["choices"].items():
+        con.print(f"    {name}: {choice['line']}")
     g = r["gpu"]
     if not g["available"] or not g["gpus"]:
         con.print(f"[bold]GPU[/] none: {g.get('reason', 'NVML reports 0 devices')}")

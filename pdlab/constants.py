@@ -51,9 +51,14 @@ LENGTH_KINDS = ("fixed", "uniform", "dataset", "mixture")
 ATTENTION_KERNELS = ("sdpa", "flash-attn", "sdpa-expanded")
 FLASH_PAGE_MULTIPLE = 256
 # dtype aliases a recipe or the CLI may use -> the torch dtype name ("auto": the checkpoint's own)
-# engine backends: pdlab's own engine, or an external server pdlab starts (pdlab.external)
-ENGINE_BACKENDS = ("pdlab", "vllm")
-EXTERNAL_BACKENDS = ("vllm",)
+# engine backends: pdlab's own engine, an external server pdlab starts (vllm), or a running OpenAI-compatible
+# server pdlab only measures (endpoint); pdlab.external
+ENGINE_BACKENDS = ("pdlab", "vllm", "endpoint")
+EXTERNAL_BACKENDS = ("vllm", "endpoint")
+# an endpoint deployment's `kind` as a recipe may write it -> Deployment.kind
+ENDPOINT_KINDS = {"unified": "unified", "disaggregated": "disagg", "disagg": "disagg"}
+ENDPOINT_PROBE_TIMEOUT_S = 30.0  # /v1/models and the one tiny completion checked before measuring an endpoint
+CLIENT_CONNECT_TIMEOUT_S = 10.0  # the HTTP client's connect timeout (its read timeout: deployment.step_timeout_s)
 VLLM_PYTHON = ".venv-vllm/bin/python"  # scripts/vllm-env.sh creates it; relative paths are from the cwd
 VLLM_KV_CACHE_GB = 2.0  # VLLM_CPU_KVCACHE_SPACE per CPU server (GiB)
 SERVED_MODEL_NAME = "pdlab"  # the name pdlab's client asks an external server for

@@ -63,7 +63,8 @@ def check_machine(recipe: Recipe) -> None:
     from pdlab.serve.topology import place
 
     for v in recipe.variants.values():
-        place(v.deployment)
+        if v.deployment.endpoint is None:  # an endpoint runs on its own machines
+            place(v.deployment)
         check_variant(v)
 
 
@@ -77,6 +78,8 @@ def worker_cores(recipe: Recipe) -> set[int]:
     cores: set[int] = set()
     for v in recipe.variants.values():
         workers = v.deployment.workers
+        if v.deployment.endpoint is not None:
+            continue
         if v.deployment.device_kind == "cuda":
             cores.update(c for mine in host_cores(cpu_cores(), len(workers)) for c in mine)
         else:
@@ -95,6 +98,7 @@ class Harness:
         self.alone_by_variant: dict[str, Alone] = {}  # each variant's own deployment
         self.searches: dict[tuple[str, int], dict] = {}  # (variant, repeat) -> saturation rps and trials
         self.paths = TransportPaths(rd, view)  # the KV path each variant actually took: env.json, live view
+        self.warm_caches: set[str] = set()  # variants whose server could not reset its prefix cache
         self.kernels = KernelLog(rd, view)  # the CPU kernels each variant's workers ran: env.json, summary
 
     def facts(self, warnings: list[str]) -> dict:
@@ -115,7 +119,12 @@ class Harness:
             self.run_variant(variant)
 
     def cluster(self, v: Variant, deployment: Deployment, label: str) -> Any:
-        """The workers of `deployment` for variant `v`: pdlab's own, or external servers (engine.backend)."""
+        """The workers of `deployment` for variant `v`: pdlab's own, external servers, or a running endpoint
+        (engine.backend)."""
+        if v.backend.endpoint:
+            from pdlab.external.endpoint import EndpointCluster
+
+            return EndpointCluster(v, deployment, label=label, log_dir=self.rd.file("servers"))
         if v.backend.external:
             from pdlab.external.cluster import ExternalCluster
 
@@ -126,18 +135,23 @@ class Harness:
 
     # ---- calibration: one request alone ----
     def calibrate(self) -> Alone:
-        """Time a few requests one at a time on one unified worker on the first variant's first devices."""
+        """Time a few requests one at a time on one unified worker on the first variant's first devices. When
+        the first variant is an endpoint, pdlab cannot start a worker of it: the endpoint itself, as it is."""
         v = self.recipe.resolved(self.recipe.variant_names[0])
-        first = v.deployment.workers[0]
-        dep = Deployment.from_raw({"unified": {"devices": list(first.devices), "tp": first.tp},
-                                   "control": v.deployment.control}, "calibration")
+        if v.deployment.endpoint is not None:
+            dep, where = v.deployment, f"endpoint {v.backend.url}"
+        else:
+            first = v.deployment.workers[0]
+            dep = Deployment.from_raw({"unified": {"devices": list(first.devices), "tp": first.tp},
+                                       "control": v.deployment.control}, "calibration")
+            where = ",".join(first.devices)
         wl = self.workloads[v.name]
         reqs = build_requests(v.workload, math.inf, v.seed, wl.vocab, wl.tokenizer, wl.dataset,
                               n=ALONE_REQUESTS + 1, stream="alone")
         self.view.status("measuring one request alone (calibration)")
         with self.cluster(v, dep, "calibration") as cluster:
             cluster.start()
-            self.alone = self._alone(cluster, reqs, ",".join(first.devices))
+            self.alone = self._alone(cluster, reqs, where)
         itl = self.alone.itl_ms
         if self.slo.relative:
             if self.slo.itl is not None and math.isnan(itl):
@@ -167,7 +181,8 @@ class Harness:
     def run_variant(self, variant: str) -> None:
         v = self.recipe.resolved(variant)
         n = len(v.deployment.workers)
-        self.view.status(f"{variant}: starting {n} worker{'s' if n != 1 else ''}")
+        self.view.status(f"{variant}: checking endpoint {v.backend.url}" if v.deployment.endpoint is not None else
+                         f"{variant}: starting {n} worker{'s' if n != 1 else ''}")
         if v.model.modelled:
             self.view.note(f"{variant}: {v.model.timing.describe()}: its times are the model's, not this machine's")
         with self.cluster(v, v.deployment, variant) as cluster:
@@ -196,7 +211,10 @@ class Harness:
         wl = self.workloads[v.name]
         reqs = wl.at(rate, seed)
         self.view.plan(v.name, rate, len(reqs), repeat=repeat)
-        cluster.reset_prefix_cache()  # every rate starts with a cold prefix cache
+        # every rate starts with a cold prefix cache (False: an endpoint could not reset it; None: no answer)
+        if cluster.reset_prefix_cache() is False and v.name not in self.warm_caches:
+            self.warm_caches.add(v.name)  # an endpoint without vLLM's /reset_prefix_cache: best effort
+            self.view.note(f"{v.name}: the server did not reset its prefix cache; rates may start warm")
         if wl.n_warmup:
             self.view.status(f"{v.name}: warming up for {_tag(rate)} req/s")
             self.serve(cluster, v.name, rate, repeat, wl.warmup(seed), warmup=True)
@@ -239,12 +257,13 @@ class Harness:
         tag = {"variant": variant, "rate": rate, "repeat": repeat, **({"warmup": True} if warmup else {})}
 
         def record(p: _Pending, output_ids: list[int], error: Optional[str], phases: Optional[dict] = None,
-                   workers: Optional[dict] = None, cached: int = 0, route: Optional[str] = None) -> dict:
+                   workers: Optional[dict] = None, cached: int = 0, route: Optional[str] = None,
+                   client: Optional[dict] = None) -> dict:
             return build_request_record(
                 variant=variant, rate=rate, id=p.req.id, prompt_ids=p.req.prompt_ids, output_ids=output_ids,
                 arrival=p.arrival, token_times=p.token_times, slo=slo, error=error, phases=phases,
                 workers=workers, cached_tokens=cached, warmup=warmup, repeat=repeat,
-                delivery_lag=[b - a for a, b in zip(p.token_times, p.received)], route=route)
+                delivery_lag=[b - a for a, b in zip(p.token_times, p.received)], route=route, client=client)
 
         def append(kind: str, records: list[dict]) -> None:
             if write:
@@ -277,7 +296,7 @@ class Harness:
                             workers = ({"prefill": e.prefill_worker, "decode": e.decode_worker} if e.decode_worker
                                        else {"unified": e.prefill_worker})
                             records.append(record(p, e.output_ids, None if e.ok else (e.error or "failed"),
-                                                  e.phases, workers, e.cached_tokens, e.route))
+                                                  e.phases, workers, e.cached_tokens, e.route, e.client))
                     elif isinstance(e, StepEvent):
                         steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
                         self._worker_view(e)

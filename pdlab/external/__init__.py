@@ -1,5 +1,6 @@
 """External engines: a variant with `engine.backend: vllm` runs on vLLM servers that pdlab starts, stamps
-and stops (docs/external.md). `ExternalCluster` plays the Cluster's part for the harness."""
+and stops; one with `engine.backend: endpoint` on a running server that pdlab only measures
+(docs/external.md). `ExternalCluster` and `EndpointCluster` play the Cluster's part for the harness."""
 
 from __future__ import annotations
 
@@ -10,8 +11,14 @@ from pdlab.serve.topology import ClusterError
 
 
 def check_variant(v: Any) -> None:
-    """What can be checked before anything starts: the external engine's interpreter exists (ClusterError)."""
+    """What can be checked before anything starts (ClusterError): the external engine's interpreter exists;
+    an endpoint answers as the recipe expects."""
     if not v.backend.external:
+        return
+    if v.backend.endpoint:  # reachable, the key accepted, the model served, streaming: or one line, exit 2
+        from pdlab.external.probe import check_endpoint
+
+        check_endpoint(v)
         return
     exe = v.backend.interpreter
     if not os.path.isfile(exe):

@@ -58,6 +58,10 @@ class ClientCluster:
     def check_health(self) -> None:
         """Put a WorkerFailed on the queue for a server found dead (called by every poll)."""
 
+    def scrub(self, error: str) -> str:
+        """An error message as it may be recorded (an endpoint takes its API key out)."""
+        return error
+
     # ---- the Cluster surface ----
     def start(self) -> None:
         if self._started:
@@ -109,7 +113,7 @@ class ClientCluster:
         except Exception as e:  # noqa: BLE001 - one request's bug must not end the loop silently
             error = f"client error: {e.__class__.__name__}: {e}"
         self.events.put(RequestDone(
-            req.req_id, error is None, error or "", list(req.output_ids), 0, req.prefill_worker, req.decode_worker,
+            req.req_id, error is None, self.scrub(error or ""), list(req.output_ids), 0, req.prefill_worker, req.decode_worker,
             dict(req.phases), "remote" if req.decode_worker else "unified",
             client={"chunks": list(req.chunks), "usage": req.usage, **req.client}))
 

@@ -20,7 +20,7 @@ class TransportPaths:
     def start(self, variant: str, deployment: Any) -> None:
         """A variant's cluster is up: record what it asked for; its workers show the transport."""
         self.variant = variant
-        if not deployment.disaggregated:
+        if not deployment.disaggregated or deployment.endpoint is not None:  # an endpoint's path is its own
             return
         entry = {"transport": deployment.transport, "mode": deployment.mode, "paths": []}
         if getattr(deployment, "nixl", None) is not None:

@@ -6,6 +6,8 @@
      share_devices: false, transfer_timeout_s: 30, nixl: {backends: [UCX], ucx_tls: auto},
      on_transfer_failure: fail|recompute, route: {remote_prefill_min_tokens: 0}}
     both shapes also take step_timeout_s and control (a tcp:// address; ipc:// in a private directory otherwise)
+    {endpoint: {devices: N, kind: unified|disaggregated, label: "..."}}: a running service pdlab only measures
+    (engine.backend: endpoint); it has no workers pdlab knows of, only what it is
 
 A group's devices are one spec per replica (`[cuda:0-3, cuda:4-7]` with replicas 2), or a list split
 evenly among the replicas (`[cpu:0, cpu:1]` with replicas 2: one core each), or, with `share_devices:
@@ -23,19 +25,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pdlab.constants import (DEPLOYMENT_KINDS, FIRST_TOKEN_FROM, GPU_TRANSPORTS, MODES, REMOTE_PREFILL_MIN_TOKENS,
+from pdlab.constants import (DEPLOYMENT_KINDS, ENDPOINT_KINDS, FIRST_TOKEN_FROM, GPU_TRANSPORTS, MODES, REMOTE_PREFILL_MIN_TOKENS,
                              STEP_TIMEOUT_S, TP_TRANSPORTS, TRANSFER_FAILURE_POLICIES, TRANSFER_FAILURE_POLICY,
                              TRANSFER_TIMEOUT_S, TRANSPORTS)
 from pdlab.devices import format_devices, overlaps, parse_devices
 from pdlab.fields import (RecipeError, Section, as_mapping, key_of, one_of, optional, section, spec, to_bool,
-                          to_float, to_int)
+                          to_float, to_int, to_text)
 from pdlab.recipe.nixl import INSTALL_HINT, NixlConfig, nixl_module
 
-FORM = "{unified: {devices: [cpu:0]}} or {prefill: {devices: [cpu:0]}, decode: {devices: [cpu:1]}}"
+FORM = ("{unified: {devices: [cpu:0]}}, {prefill: {devices: [cpu:0]}, decode: {devices: [cpu:1]}} or "
+        "{endpoint: {devices: 8, kind: unified}}")
 _COMMON = ("share_devices", "control", "step_timeout_s")
 KEYS = {"unified": ("kind", "unified", *_COMMON),
         "disagg": ("kind", "prefill", "decode", "transport", "mode", "first_token", "transfer_timeout_s", "nixl",
-                   "on_transfer_failure", "route", *_COMMON)}
+                   "on_transfer_failure", "route", *_COMMON),
+        "endpoint": ("kind", "endpoint", "step_timeout_s")}
 DISAGG_ONLY = tuple(k for k in KEYS["disagg"] if k not in KEYS["unified"])
 
 
@@ -97,6 +101,25 @@ class RouteSpec(Section):
         return self.remote_prefill_min_tokens > 0
 
 
+def _endpoint_kind(v: Any) -> str:
+    if v not in ENDPOINT_KINDS:
+        raise ValueError
+    return ENDPOINT_KINDS[v]
+
+
+@dataclass(frozen=True)
+class EndpointSpec(Section):
+    """A running service that pdlab measures but does not start (engine.backend: endpoint). pdlab cannot see
+    its workers, so the recipe says what it is: the devices goodput per device divides by, and whether it
+    disaggregates, for the verdict."""
+
+    devices: int = spec(expected="an integer >= 1 (devices the service runs on: goodput per device divides by "
+                                 "it)", conv=to_int(1))
+    kind: str = spec(expected="unified or disaggregated (whether the service runs prefill and decode apart)",
+                     conv=_endpoint_kind)
+    label: str = spec("", "a string (what tables call the service; default: its URL)", to_text)
+
+
 @dataclass(frozen=True)
 class PlannedWorker:
     name: str  # "unified0", "prefill1", "decode0"
@@ -131,6 +154,7 @@ class Deployment(Section):
     control: Optional[str] = spec(None, "a tcp:// or ipc:// address (default: ipc:// in a private directory)",
                                   optional(_address))
     nixl: Optional[NixlConfig] = spec(None, parse=section(NixlConfig))  # transport nixl only; filled then
+    endpoint: Optional[EndpointSpec] = spec(None, parse=section(EndpointSpec))  # a service pdlab only measures
     workers: tuple[PlannedWorker, ...] = spec((), derived=True)
 
     @property
@@ -143,12 +167,20 @@ class Deployment(Section):
 
     @property
     def device_kind(self) -> str:
-        return self.workers[0].kind
+        """cpu or cuda; "endpoint" for a running service (its devices are not this machine's)."""
+        return "endpoint" if self.endpoint is not None else self.workers[0].kind
+
+    @property
+    def shape(self) -> str:
+        """Which keys the recipe gives: unified, disagg or endpoint (KEYS)."""
+        return "endpoint" if self.endpoint is not None else self.kind
 
     @classmethod
     def from_raw(cls, raw: Any, where: str) -> "Deployment":
         if not isinstance(raw, dict) or not raw:
             raise RecipeError(f"{where}: expected {FORM}, got {raw!r}")
+        if "endpoint" in raw:
+            return cls._endpoint(raw, where)
         if "unified" in raw:
             if "prefill" in raw or "decode" in raw:
                 raise RecipeError(f"{where}: give either unified, or prefill and decode, not both")
@@ -160,7 +192,8 @@ class Deployment(Section):
                                       f"prefill and one decode worker, e.g. {role}: {{devices: [cpu:1]}}")
             kind = "disagg"
         else:
-            raise RecipeError(f"{where}: expected a unified or a prefill/decode deployment, got keys {list(raw)}")
+            raise RecipeError(f"{where}: expected a unified, a prefill/decode or an endpoint deployment, got keys "
+                              f"{list(raw)}")
         values = cls.read(as_mapping(raw, where, KEYS[kind]), where, list(KEYS[kind]))
         if values.get("kind", kind) != kind:
             raise RecipeError(f"{where}.kind: {values['kind']} does not match the shape given ({kind})")
@@ -170,6 +203,20 @@ class Deployment(Section):
                 raise RecipeError(f"{where}.{role}: expected {{replicas: N, devices: [...]}}")
         dep = cls(**values)
         return dep._resolved(where)
+
+    @classmethod
+    def _endpoint(cls, raw: dict, where: str) -> "Deployment":
+        """A running service: its kind is the endpoint's, and it has no workers pdlab starts."""
+        shapes = [k for k in ("unified", "prefill", "decode") if k in raw]
+        if shapes:
+            raise RecipeError(f"{where}: give either endpoint, or {' and '.join(shapes)}, not both")
+        values = cls.read(raw, where, list(KEYS["endpoint"]))
+        if values.get("endpoint") is None:
+            raise RecipeError(f"{where}.endpoint: expected {{devices: N, kind: unified|disaggregated, label: ...}}")
+        kind = values["endpoint"].kind
+        if values.get("kind", kind) != kind:
+            raise RecipeError(f"{where}.kind: {values['kind']} does not match endpoint.kind ({kind})")
+        return cls(**(values | {"kind": kind}))
 
     def _resolved(self, where: str) -> "Deployment":
         """Split devices into workers and check the shape; the groups come back one spec per replica."""
@@ -223,4 +270,4 @@ class Deployment(Section):
     def to_raw(self) -> dict:
         """The shape's own keys only (recipe.yaml; loading it back gives this deployment)."""
         raw = super().to_raw()
-        return {k: raw[k] for k in KEYS[self.kind] if k in raw and not (k == "nixl" and raw[k] is None)}
+        return {k: raw[k] for k in KEYS[self.shape] if k in raw and not (k == "nixl" and raw[k] is None)}

@@ -49,13 +49,17 @@ def deep_merge(base: dict, over: dict) -> dict:
 
 
 def _merge_deployment(base: Optional[dict], over: Optional[dict]) -> Optional[dict]:
-    """Deep merge, but a variant that names a shape (unified, or prefill/decode) replaces the other shape,
-    with the keys only that shape has."""
+    """Deep merge, but a variant that names a shape (unified, prefill/decode, or endpoint) replaces the other
+    shape, with the keys only that shape has."""
     if not over:
         return copy.deepcopy(base)
     if not isinstance(base, dict) or not isinstance(over, dict):
         return copy.deepcopy(over)
     base = copy.deepcopy(base)
+    if "endpoint" in over:  # a running service: none of the base's workers or their keys apply
+        base = {k: v for k, v in base.items() if k == "step_timeout_s"}
+    elif any(k in over for k in ("unified", "prefill", "decode")):
+        base.pop("endpoint", None)
     if "unified" in over:
         for k in (*DISAGG_ONLY, "kind"):
             base.pop(k, None)

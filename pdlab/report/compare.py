@@ -44,6 +44,9 @@ def describe_deployment(dep: Optional[dict], timing: Optional[dict] = None) -> s
     it ran on: `1P[4 dev: mi300x-...-tp4] + 1D[4 dev: mi300x-...-tp4] nixl push (modelled)`."""
     if not dep:
         return "?"
+    if dep.get("endpoint"):  # a running service: what the recipe says it is
+        ep = dep["endpoint"]
+        return f"{ep.get('label') or 'endpoint'} ({ep.get('kind', '?')}, {ep.get('devices', '?')} dev)"
     modelled = f"{int(timing.get('devices') or 1)} dev: {timing.get('name') or 'profile'}" if timing else None
 
     def group(g: dict) -> str:
@@ -67,6 +70,8 @@ def count_devices(dep: Optional[dict], timing: Optional[dict] = None) -> Optiona
 
     if not dep:
         return None
+    if dep.get("endpoint"):
+        return int(dep["endpoint"].get("devices") or 0) or None
     if timing:
         workers = sum(int((dep.get(role) or {}).get("replicas") or 1) for role in ("unified", "prefill", "decode")
                       if dep.get(role))
@@ -114,6 +119,9 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
             dep = entry.get("deployment")
             timing = (entry.get("model") or run.recipe.get("model") or {}).get("timing")
             backend = (entry.get("engine") or {}).get("backend")
+            ep, url = (dep or {}).get("endpoint"), (entry.get("engine") or {}).get("url")
+            if ep and not ep.get("label") and url:  # unnamed: by its host, as the run's live view named it
+                dep = dict(dep, endpoint=dict(ep, label=url.split("//", 1)[-1].split("/", 1)[0]))
             if backend not in (None, "pdlab") and (dep or {}).get("transport"):
                 dep = dict(dep, transport="nixl")  # an external engine's own connector (docs/external.md)
             finite = [x for t, x in vs["rates"].items() if t != "inf"]
@@ -122,7 +130,7 @@ def rows_of(runs: list[Run], rate: Optional[float] = None) -> list[dict]:
             rows.append({
                 "label": v if len(runs) == 1 else f"{run.name}/{v}", "run": run.path, "variant": v,
                 "config": describe_deployment(dep, timing if isinstance(timing, dict) else None)
-                + (f" on {backend}" if backend not in (None, "pdlab") else ""),
+                + (f" on {backend}" if backend not in (None, "pdlab", "endpoint") else ""),
                 "kind": (dep or {}).get("kind", "?"),
                 "ran": bool(vs.get("ran", True)), "partial": bool(s.get("partial")), "slo": s.get("slo"),
                 "goodput": g, "goodput_tpot": vs["goodput_tpot"],

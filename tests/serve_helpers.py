@@ -93,7 +93,7 @@ def word_tokenizer(chat_template: bool = True) -> Any:
 
 def served_model(tokenizer: Any = None, kv_tokens: Optional[int] = None) -> ServedModel:
     return ServedModel("tiny-llama", "tiny-llama", Text(tokenizer, "tiny-llama"), frozenset({EOS}), 512, 2048,
-                       kv_tokens if kv_tokens is not None else ENGINE["kv_blocks"] * ENGINE["block_size"])
+                       kv_tokens=kv_tokens if kv_tokens is not None else ENGINE["kv_blocks"] * ENGINE["block_size"])
 
 
 @contextlib.asynccontextmanager

@@ -225,3 +225,33 @@ def test_no_drain_cancels_what_runs_and_leaves_nothing(tmp_path):
     s.nothing_left()
     (rec,) = [json.loads(line) for line in open(s.out / "requests.jsonl")]
     assert not rec["ok"] and rec["error"].startswith("cancelled") and rec["output_len"] < 400
+
+
+@pytest.mark.slow
+def test_the_vllm_backend_is_served_too(tmp_path):
+    """engine.backend: vllm, played by tests/data/fake_vllm.py: pdlab's client drives its servers (greedy, EOS
+    ignored, so a request asking other sampling is refused), and SIGTERM stops them all."""
+    from test_external import FAKE, no_survivor, read_pids
+
+    exe = tmp_path / "python"
+    exe.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
+    exe.chmod(0o755)
+    env = {"FAKE_VLLM_PIDS": str(tmp_path / "pids"), "PDLAB_MODEL_CACHE": str(tmp_path / "models")}
+    s = Served(tmp_path, "disagg", "--set", "engine.backend=vllm", "--set", f"engine.python={exe}", env=env)
+    try:
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 4}
+        refused = s.request("/v1/completions", body)
+        got = tokens(s.request("/v1/completions", {**body, "temperature": 0, "ignore_eos": True}))
+        code, _, stderr = s.stop()
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert refused[0] == 400 and json.loads(refused[1])["error"]["param"] == "temperature"
+    assert len(got) == 4 and code == 0, stderr
+    (rec,) = [json.loads(line) for line in open(s.out / "requests.jsonl")]
+    assert rec["ok"] and rec["output_ids"] == got and (rec["prefill_worker"], rec["decode_worker"]) == \
+        ("prefill0", "decode0")
+    pids = read_pids(tmp_path / "pids")
+    assert len(pids) == 2
+    no_survivor(pids)
+    s.nothing_left()

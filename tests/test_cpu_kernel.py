@@ -62,6 +62,20 @@ def test_the_sources_use_no_compiler_builtins():
         assert "__builtin" not in code, name
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("cc", ["gcc-11", "clang-14", "clang"])
+def test_other_compilers_build_every_target_without_warnings(cc, tmp_path, monkeypatch):
+    """GCC 11 is what Ubuntu 22.04 and RHEL 8/9 ship (the old __builtin_shufflevector broke there); Clang too.
+    Skipped where the compiler is not installed (`apt-get install gcc-11 clang-14` here)."""
+    if shutil.which(cc) is None:
+        pytest.skip(f"{cc} is not installed")
+    monkeypatch.setenv("CC", cc)
+    monkeypatch.setenv("PDLAB_KERNEL_CACHE", str(tmp_path))
+    for target in TARGETS:
+        k = cpu_kernel.Kernels(target, werror=True)
+        assert not k.errors, (cc, target, k.errors)
+
+
 @needs_cc
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 64), (16, 8, 128), (8, 1, 64),
                                                      (6, 2, 24), (12, 4, 40)])  # the last two: generic loops

@@ -10,9 +10,9 @@ from __future__ import annotations
 ROLES = ("unified", "prefill", "decode")
 DEPLOYMENT_KINDS = ("unified", "disagg")
 DEVICE_KINDS = ("cpu", "cuda")
-TRANSPORTS = ("shm", "cuda-ipc", "host", "nixl")
-TRANSPORTS_AVAILABLE = ("shm", "cuda-ipc", "host", "nixl")  # nixl: with the optional extra pdlab[nixl]
-GPU_TRANSPORTS = ("cuda-ipc", "host")
+TRANSPORTS = ("shm", "cuda-ipc", "host", "nixl")  # nixl: with the optional extra pdlab[nixl]
+# the pools each transport moves, by device kind (host: a private pool beside a shared mirror, on CPU too)
+TRANSPORT_DEVICES = {"shm": ("cpu",), "cuda-ipc": ("cuda",), "host": ("cpu", "cuda"), "nixl": ("cpu", "cuda")}
 # Transports that hand KV over between tensor-parallel workers, by device kind (pdlab.kv.sharded; CPU groups'
 # followers keep their shards in /dev/shm for rank 0, pdlab.serve.tensor_group)
 TP_TRANSPORTS = {"cpu": ("shm", "nixl"), "cuda": ()}
@@ -46,6 +46,10 @@ STATS = ("mean", "p50", "p90", "p99", "max")  # latency statistics, and the per-
 MISS_KINDS = ("ttft_only", "itl_only", "both", "failed")
 ARRIVAL_KINDS = ("poisson", "gamma", "constant", "burst")
 LENGTH_KINDS = ("fixed", "uniform", "dataset", "mixture")
+# production trace formats a workload replays (workload.trace.format; pdlab.traces has one reader each), and
+# the rate in `rates` that replays a trace at its own pace (its timestamps times trace.time_scale)
+TRACE_FORMATS = ("mooncake", "azure", "burstgpt", "jsonl")
+TRACE_RATE = "trace"
 # attention kernels (pdlab.engine.cuda_attention): CPU runs `sdpa`; CUDA `flash-attn` with pdlab[flash], else
 # `sdpa-expanded`. flash-attn's paged KV takes pages of a multiple of this many tokens.
 ATTENTION_KERNELS = ("sdpa", "flash-attn", "sdpa-expanded")

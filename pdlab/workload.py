@@ -11,6 +11,10 @@ Randomness is split into independent streams keyed by (seed, purpose), so:
   the same prompts; warm-up requests have their own stream. Shared-prefix groups are the same everywhere.
 - repeats use seed + i: distinct requests per repeat, the same ones for every variant.
 A rate of inf puts every arrival at 0: the saturation point.
+
+A trace workload (workload.trace) takes its requests from the trace (pdlab.traces.replay): its arrival pattern
+scaled to each rate, its lengths, and for Mooncake its hash-id blocks as tokens, the same at every rate (each
+rate starts with a cold cache); warm-up and calibration requests take trace lengths with tokens of their own.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from pdlab.recipe.workload import ArrivalSpec, LengthSpec, WorkloadSpec
+from pdlab.traces import TraceError
+from pdlab.traces.replay import Replay, replay_for
 
 
 class WorkloadError(ValueError):
@@ -140,15 +146,22 @@ def build_requests(workload: WorkloadSpec, rate: float, seed: int, vocab_size: i
     `n` defaults to workload.requests; `stream` (default: the rate's tag) keys the prompts, e.g. "warmup"
     for warm-up requests or "search" for every trial of a rate search. Arrivals follow the rate. Ids are
     "<stream>-<i>", with the rate added when the stream is not the rate's own. `dataset` may be passed
-    pre-loaded (see load_dataset).
+    pre-loaded (see load_dataset); for a trace workload it is the prepared trace (pdlab.traces.replay.Replay).
     """
-    n = workload.requests if n is None else n
     key = rate_tag(rate) if stream is None else stream
     prefix = key if stream is None or stream == "warmup" else f"{key}@{rate_tag(rate)}"
     low = workload.token_low
     high = workload.token_high or vocab_size
     if high > vocab_size or low >= high:
         raise WorkloadError(f"workload token ids [{low}, {high}) do not fit the vocabulary of {vocab_size}")
+    if workload.trace is not None:  # the measured streams replay the trace; warm-up and calibration get their own
+        replay = dataset if isinstance(dataset, Replay) else replay_for(workload.trace, seed)
+        try:
+            reqs = replay.requests(rate, seed, low, high, n, None if stream in (None, "search") else stream)
+        except TraceError as e:
+            raise WorkloadError(str(e)) from None
+        return [WorkloadRequest(f"{prefix}-{i:04d}", p, o, a) for i, (p, o, a) in enumerate(reqs)]
+    n = workload.requests if n is None else n
     if workload.dataset and dataset is None:
         dataset = load_dataset(workload.dataset, tokenizer, vocab_size)
 
@@ -206,6 +219,10 @@ class Workload:
                                                   self.dataset))
         return self._cache[key]
 
+    def facts(self) -> Optional[dict]:
+        """A trace workload's facts for the summary (pdlab.traces.replay.Replay.facts); None otherwise."""
+        return self.dataset.facts() if isinstance(self.dataset, Replay) else None
+
     def at(self, rate: float, seed: int) -> tuple[WorkloadRequest, ...]:
         key = (rate, seed)
         if key not in self._cache:
@@ -226,7 +243,14 @@ def build_workload(variant: Any) -> Workload:
     context = getattr(config, "max_position_embeddings", None)
     tokenizer = load_tokenizer(variant.model)
     wl = variant.workload
-    dataset = load_dataset(wl.dataset, tokenizer, vocab) if wl.dataset else None
+    if wl.trace is not None:  # lengths over what the engine takes are clipped (and counted), not refused
+        limit = min((x for x in (variant.engine.max_model_len, context) if x), default=None)
+        try:
+            dataset = replay_for(wl.trace, variant.seed, limit)
+        except TraceError as e:
+            raise WorkloadError(str(e)) from None
+    else:
+        dataset = load_dataset(wl.dataset, tokenizer, vocab) if wl.dataset else None
     w = Workload(wl, variant.warmup, variant.auto, vocab, tokenizer, dataset)
     rates = [math.inf] if variant.auto else list(variant.rates)
     built = [w.warmup(s) for s in variant.seeds()] + [w.at(r, s) for s in variant.seeds() for r in rates]
@@ -235,3 +259,9 @@ def build_workload(variant: Any) -> Workload:
         raise WorkloadError(f"workload: prompts of up to {longest} tokens do not fit {variant.name}'s model "
                             f"context of {context} tokens (input_len, shared_prefix.len or the dataset)")
     return w
+
+
+def trace_facts(workloads: dict[str, Workload]) -> Optional[dict[str, dict]]:
+    """variant -> its trace workload's facts, for summarize_run's `trace`; None when no variant replays one."""
+    out = {name: f for name, w in workloads.items() if (f := w.facts()) is not None}
+    return out or None

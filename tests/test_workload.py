@@ -1,5 +1,6 @@
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -155,3 +156,32 @@ def test_a_mixture_of_lengths_draws_each_part_by_its_weight():
     assert build_requests(w, 2.0, seed=0, vocab_size=512) == reqs  # seeded
     assert w.input_len.shortest == 16 and w.input_len.mean == pytest.approx((3 * 24 + 300) / 4)
     assert spec(w.to_raw()) == w  # round trip through recipe.yaml
+
+
+# ---- a trace as the workload (pdlab.traces) ----
+
+TRACE = {"trace": {"format": "mooncake", "path": os.path.join(os.path.dirname(__file__), "data", "trace-mooncake.jsonl"),
+                   "length_scale": 0.125}}
+
+
+def test_a_trace_replays_the_same_prompts_at_every_rate_with_its_gaps_scaled():
+    w = spec(TRACE)
+    a, b = build_requests(w, 2.0, 0, 4096), build_requests(w, 4.0, 0, 4096)
+    assert len(a) == len(b) == 48 and len({r.id for r in a}) == 48
+    assert [r.prompt_ids for r in a] == [r.prompt_ids for r in b]  # each rate starts from a cold cache
+    assert [r.output_len for r in a] == [r.output_len for r in b]
+    assert np.allclose([r.arrival for r in a], [2 * r.arrival for r in b])
+    assert 47 / a[-1].arrival == pytest.approx(2.0)
+    assert [r.prompt_ids for r in build_requests(w, 3.0, 0, 4096, stream="search")] == [r.prompt_ids for r in a]
+    assert [r.prompt_ids for r in build_requests(w, 2.0, 1, 4096)] != [r.prompt_ids for r in a]  # seed + i
+
+
+def test_trace_warmup_requests_have_trace_lengths_and_tokens_of_their_own():
+    w = spec(TRACE)
+    measured = build_requests(w, 2.0, 0, 4096)
+    warm = build_warmup(w, 0, 4096, n=5)
+    assert len(warm) == 5 and all(r.arrival == 0.0 for r in warm)
+    lengths = {len(r.prompt_ids) for r in measured}
+    assert all(len(r.prompt_ids) in lengths for r in warm)
+    blocks = {tuple(r.prompt_ids[i:i + 16]) for r in measured for i in range(0, len(r.prompt_ids) - 15, 16)}
+    assert not any(tuple(r.prompt_ids[:16]) in blocks for r in warm)  # never a cache hit for a measured prompt

@@ -1,4 +1,5 @@
-"""The recipe's `workload` section: how many requests, when they arrive, how long they are."""
+"""The recipe's `workload` section: how many requests, when they arrive, how long they are; or a production
+trace that says all three (`trace`, pdlab.traces)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,11 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pdlab.constants import ARRIVAL_KINDS, LENGTH_KINDS
-from pdlab.fields import (RecipeError, Section, as_mapping, key_of, optional, section, spec, to_bool, to_float,
-                          to_int, to_str)
+from pdlab.constants import ARRIVAL_KINDS, LENGTH_KINDS, TRACE_FORMATS, TRACE_RATE
+from pdlab.fields import (RecipeError, Section, as_mapping, choices, key_of, one_of, optional, section, spec,
+                          to_bool, to_float, to_int, to_str)
+from pdlab.traces import TraceError
+from pdlab.traces.replay import replay_for
 
 LENGTH_FORMS = ("{kind: fixed, value: N}, {kind: uniform, min: A, max: B}, {kind: dataset} or {kind: mixture, "
                 "parts: [{weight: W, kind: uniform, min: A, max: B}, ...]}")
@@ -120,6 +123,34 @@ class SharedPrefix(Section):
 
 
 @dataclass(frozen=True)
+class TraceSpec(Section):
+    """A production trace as the workload (pdlab.traces.replay has the order the keys apply in)."""
+
+    format: str = spec(expected=choices(TRACE_FORMATS), conv=one_of(TRACE_FORMATS))
+    path: str = spec(expected="the trace file's path", conv=to_str)
+    time_scale: float = spec(1.0, "a number > 0 (multiplies the gaps between arrivals; 0.5: twice as fast)",
+                             to_float(0.0))
+    start_s: float = spec(0.0, "a number >= 0 (seconds into the trace, on its own clock)",
+                          to_float(0.0, lo_open=False))
+    duration_s: Optional[float] = spec(None, "null or a number > 0 (seconds of the trace from start_s)",
+                                       optional(to_float(0.0)))
+    sample: float = spec(1.0, "a fraction in (0, 1] (of the window's requests, chosen by the recipe's seed)",
+                         to_float(0.0, 1.0))
+    limit: Optional[int] = spec(None, "null or an integer >= 1 (the first N requests of the window)",
+                                optional(to_int(1)))
+    length_scale: float = spec(1.0, "a number in (0, 1] (shrinks input and output lengths and the trace's block "
+                                    "size: 0.125 fits 512-token blocks into 64)", to_float(0.0, 1.0))
+
+    def check(self, where: str) -> None:
+        if not os.path.isfile(self.path):
+            raise RecipeError(f"{where}.path: file not found: {self.path} (a {self.format} trace)")
+
+
+# workload keys a trace replaces: its timestamps are the arrivals, its rows the requests and their lengths
+TRACE_REPLACES = ("requests", "arrival", "input_len", "output_len", "shared_prefix", "dataset")
+
+
+@dataclass(frozen=True)
 class WorkloadSpec(Section):
     requests: int = spec(60, "an integer >= 1 (requests per rate)", to_int(1))
     arrival: ArrivalSpec = spec(ArrivalSpec(), parse=section(ArrivalSpec))
@@ -130,6 +161,7 @@ class WorkloadSpec(Section):
                                   optional(to_str))
     token_low: int = spec(10, "an integer >= 0 (lowest random token id; skips special ids)", to_int(0))
     token_high: Optional[int] = spec(None, "null (the model's vocab size) or an integer", optional(to_int(1)))
+    trace: Optional[TraceSpec] = spec(None, parse=section(TraceSpec, nullable=True))
 
     @classmethod
     def from_raw(cls, raw: Any, where: str) -> "WorkloadSpec":
@@ -137,7 +169,17 @@ class WorkloadSpec(Section):
         for k in ("input_len", "output_len", "arrival"):  # null: the default
             if k in raw and raw[k] is None:
                 del raw[k]
+        if raw.get("trace") is not None:
+            for k in TRACE_REPLACES:
+                if raw.get(k) is not None:
+                    raise RecipeError(f"{key_of(where, k)}: not used with {key_of(where, 'trace')}, whose rows give "
+                                      "the requests, their arrivals and lengths (cut it with trace.limit, "
+                                      "duration_s or sample)")
         return super().from_raw(raw, where)
+
+    def to_raw(self) -> dict:
+        raw = super().to_raw()
+        return {k: v for k, v in raw.items() if k not in TRACE_REPLACES} if self.trace is not None else raw
 
     def check(self, where: str) -> None:
         ds, inl, outl, sp = self.dataset, self.input_len, self.output_len, self.shared_prefix
@@ -153,3 +195,25 @@ class WorkloadSpec(Section):
                               f"({inl.shortest}): the prefix is part of the prompt")
         if self.token_high is not None and self.token_high <= self.token_low:
             raise RecipeError(f"{where}.token_high ({self.token_high}) must be > token_low ({self.token_low})")
+
+
+def trace_rates(workload: WorkloadSpec, rates: Any, seed: int, where: str = "rates") -> Any:
+    """`rates` with each `trace` entry replaced by the trace's nominal rate (its own pace, time_scale applied;
+    the window and sample are the recipe seed's). Reads the trace: a malformed one is a RecipeError now."""
+    if not isinstance(rates, tuple) or TRACE_RATE not in rates:
+        return rates
+    i = rates.index(TRACE_RATE)
+    if workload.trace is None:
+        raise RecipeError(f"{where}[{i}]: {TRACE_RATE} replays workload.trace at its own pace; the workload has no "
+                          "trace")
+    try:
+        nominal = replay_for(workload.trace, seed).nominal_rate
+    except TraceError as e:
+        raise RecipeError(str(e)) from None
+    if nominal is None or nominal == float("inf"):
+        raise RecipeError(f"{where}[{i}]: the trace's replayed requests have no pace (one request, or all at the "
+                          "same time); use rates: [inf]")
+    out = tuple(nominal if r == TRACE_RATE else r for r in rates)
+    if len(set(out)) < len(out):
+        raise RecipeError(f"{where}: the trace's own rate ({nominal:g} req/s) is also listed as a number")
+    return out

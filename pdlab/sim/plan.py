@@ -60,6 +60,8 @@ def closed_form(v: Variant, slo: SLO, deployment: Deployment) -> Optional[float]
     A unified worker does both: its capacity is 1 / (1 / prefill + 1 / decode) (time sharing)."""
     t = v.model.timing.step
     wl = v.workload
+    if wl.trace is not None:  # a trace: lengths vary row by row and its prefix reuse is not in this model
+        return None
     prompt = wl.input_len.mean
     out_len = wl.output_len.value if wl.output_len.kind == "fixed" else None
     if not prompt or not out_len:

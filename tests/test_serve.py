@@ -255,3 +255,30 @@ def test_the_vllm_backend_is_served_too(tmp_path):
     assert len(pids) == 2
     no_survivor(pids)
     s.nothing_left()
+
+
+@pytest.mark.slow
+def test_a_dead_worker_ends_the_server_cleanly(tmp_path):
+    """A worker killed mid-stream: its request ends with an error event, the server says why in one line,
+    stops (exit 1) and leaves nothing behind, its records written."""
+    s = Served(tmp_path, "unified")
+    try:
+        long: list = []
+        t = stream_in_thread(s, {"prompt": eh.prompts([30], seed=4)[0], "max_tokens": 400, "ignore_eos": True,
+                                 "stream": True}, long)
+        worker = next(p for p in s.children if "spawn_main" in open(f"/proc/{p}/cmdline").read())
+        os.kill(worker, signal.SIGKILL)
+        t.join(60)
+        code = s.proc.wait(120)
+        stderr = s.proc.stderr.read()
+    finally:
+        if s.proc.poll() is None:
+            s.proc.kill()
+    assert code == 1
+    assert len([line for line in stderr.splitlines() if "failed" in line and "shutting down" in line]) == 1, stderr
+    status, text = long[0]
+    events = [line[6:] for line in text.split("\n\n") if line]
+    assert status == 200 and events[-1] == "[DONE]" and "error" in json.loads(events[-2])
+    s.nothing_left()
+    (rec,) = [json.loads(line) for line in open(s.out / "requests.jsonl")]
+    assert not rec["ok"] and (s.out / "trace.json").exists()

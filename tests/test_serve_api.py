@@ -368,3 +368,53 @@ def test_an_engine_that_samples_its_own_way_refuses_other_sampling():
             m.check_sampling(bad)
         assert e.value.status == 400 and e.value.param in ("temperature", "ignore_eos", "seed")
     served_model().check_sampling(Sampling(temperature=0.7, seed=3))  # pdlab's engine samples as asked
+
+
+def test_prefill_interruptions_and_handovers_are_counted_from_the_workers_records():
+    """A gap over the ITL target counts as a prefill interruption when the worker that produced the later token
+    ran a step with prefill tokens inside it; a gap spanned by decode-only steps, or under the target, does not.
+    Each KV hand-over adds its copy time, its bytes and the path it took."""
+    from types import SimpleNamespace
+
+    from pdlab.api.ledger import Live, Submission
+    from pdlab.api.metrics import ServeMetrics
+    from pdlab.serve.events import TokenEvent
+
+    m = ServeMetrics("tiny-llama", itl_target_s=0.05)
+    live = Live(Submission("r", [1, 2, 3], {}, 10.0, lambda e: None))
+
+    def token(t, worker="decode0"):
+        m.token(live, TokenEvent("r", 7, t, len(live.token_times), False, worker, t))
+        live.token_times.append(t)
+
+    def step(start, end, prefill, worker="decode0"):
+        m.step(worker, {"start": start, "end": end, "prefill_tokens": prefill, "decode_seqs": 1, "running": 1,
+                        "waiting": 0, "kv_blocks_used": 3, "kv_blocks_total": 12, "preempted": 0})
+
+    token(10.5)                          # TTFT 0.5
+    step(10.50, 10.62, prefill=64)       # a prefill shares the step that produces the next token: 120 ms gap
+    token(10.62)
+    step(10.62, 10.70, prefill=0)        # slow, but decode only
+    token(10.70)
+    step(10.70, 10.73, prefill=32)       # a prefill, but the gap (30 ms) is under the target
+    token(10.73)
+    step(10.73, 10.90, prefill=16, worker="decode1")  # another worker's prefill
+    token(10.90)
+    m.transfer({"start": 1.0, "end": 1.25, "bytes": 4096, "transport": "shm", "mode": "pull", "src": "prefill0",
+                "dst": "decode0", "path": "shm"})
+    v = metric_values(m.render()[0].decode())
+    assert v[("pdlab:prefill_interruptions_total", (("engine", "decode0"),))] == 1
+    assert ("pdlab:prefill_interruptions_total", (("engine", "decode1"),)) not in v
+    assert v[("vllm:inter_token_latency_seconds_count", ())] == 4
+    assert v[("vllm:time_to_first_token_seconds_sum", ())] == pytest.approx(0.5)
+    assert v[("vllm:kv_cache_usage_perc", (("engine", "decode0"),))] == pytest.approx(0.25)
+    assert v[("pdlab:handover_seconds_sum", (("mode", "pull"), ("transport", "shm")))] == pytest.approx(0.25)
+    assert v[("pdlab:handover_bytes_total", (("mode", "pull"), ("transport", "shm")))] == 4096
+    assert v[("pdlab:transport_path_info", (("dst", "decode0"), ("mode", "pull"), ("path", "shm"), ("src", "prefill0"),
+                                            ("transport", "shm")))] == 1
+    live.done = SimpleNamespace(phases={"prefill_start": 10.1, "prefill_end": 10.4}, cached_tokens=2)
+    m.done(live, "length")
+    v = metric_values(m.render()[0].decode())
+    assert v[("vllm:prefix_cache_hits_total", ())] == 2 and v[("vllm:prefix_cache_queries_total", ())] == 3
+    assert v[("vllm:request_queue_time_seconds_sum", ())] == pytest.approx(0.1)
+    assert v[("vllm:e2e_request_latency_seconds_sum", ())] == pytest.approx(0.9)

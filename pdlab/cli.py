@@ -76,8 +76,8 @@ def run(
 def compare(
     runs: List[str] = typer.Argument(..., metavar="RUN", help="Run directories (runs/<recipe>-<time>)"),
     baseline: Optional[str] = typer.Option(None, "--baseline", metavar="VARIANT",
-                                           help="Baseline for relative goodput (default: the first unified "
-                                                "variant)"),
+                                           help="Judge every row against this one (default: each engine's first "
+                                                "unified variant: like with like)"),
     rate: Optional[float] = typer.Option(None, "--rate", metavar="R",
                                          help="Report latencies at R req/s (grid runs; default: the highest rate "
                                               "at which every variant's median TTFT meets the target)"),
@@ -87,7 +87,8 @@ def compare(
     json_: bool = typer.Option(False, "--json", help="Machine-readable output (JSON on stdout)"),
     plot: Optional[str] = typer.Option(None, "--plot", metavar="DIR", help="Write comparison plots to DIR"),
 ) -> None:
-    """Side-by-side table of runs: goodput, SLO-met requests, throughput, TTFT/ITL, misses."""
+    """Side-by-side table of runs: goodput, SLO-met requests, throughput, TTFT/ITL, misses, verdicts. Exit 3 when
+    a run was cut short or failed (the table is printed, headed PARTIAL with the reason)."""
     from pdlab.commands.compare import main
 
     raise typer.Exit(main(runs, baseline, json_, plot, rate, slo_scale))
@@ -154,8 +155,10 @@ def plan(
     validate: int = typer.Option(2, "--validate", metavar="K", help="Run the best K for real (worker processes, "
                                                                     "the same timing) and compare; 0: none"),
     set_: Optional[List[str]] = typer.Option(None, "--set", metavar="KEY=VALUE", help="Override a recipe key"),
-    out: Optional[str] = typer.Option(None, "--out", metavar="DIR", help="Where the validation run goes "
-                                                                         "(default: runs/<recipe>-plan-<time>)"),
+    out: Optional[str] = typer.Option(None, "--out", metavar="DIR", help="Directory for plan.json (the whole "
+                                                                         "ranking), planned.yaml and the validation "
+                                                                         "run, DIR/run (default: "
+                                                                         "runs/<recipe>-plan-<time>)"),
     json_: bool = typer.Option(False, "--json", help="Machine-readable output (JSON on stdout)"),
 ) -> None:
     """Rank deployments for a device budget by simulated goodput; validate the best by real runs."""
@@ -191,6 +194,22 @@ def serve(
 
     raise typer.Exit(main(recipe, variant, host, port, set_ or [], out, api_key, served_model_name, drain,
                           shutdown_timeout))
+
+
+@app.command(cls=_Command)
+def report(
+    runs: List[str] = typer.Argument(..., metavar="RUN", help="Run directories (runs/<recipe>-<time>)"),
+    html: str = typer.Option(..., "--html", metavar="FILE", help="The HTML file to write: one self-contained page"),
+    baseline: Optional[str] = typer.Option(None, "--baseline", metavar="VARIANT",
+                                           help="Judge every row against this one (default: each engine's first "
+                                                "unified variant)"),
+    rate: Optional[float] = typer.Option(None, "--rate", metavar="R", help="Latencies at R req/s (grid runs)"),
+) -> None:
+    """One HTML file of runs to attach to a ticket: tables, verdict, plots, environment, warnings, recipe.
+    Exit 3 when a run was cut short (written anyway, with the reason)."""
+    from pdlab.commands.report import main
+
+    raise typer.Exit(main(runs, html, baseline, rate))
 
 
 if __name__ == "__main__":

@@ -111,7 +111,8 @@ class Harness:
                                     for n, v in self.recipe.variants.items()},
                 "floors": {k: s["floor"] for k, s in self.searches.items() if s.get("floor")},
                 "warnings": list(warnings) + self.kernels.warnings, "kernels": self.kernels.facts(),
-                "modelled": {n: v.model.timing.describe() for n, v in self.recipe.variants.items() if v.model.modelled}}
+                "modelled": {n: v.model.timing.describe() for n, v in self.recipe.variants.items() if v.model.modelled},
+                "expect": self.recipe.shared.expect}
 
     def run(self) -> None:
         self.calibrate()
@@ -197,7 +198,7 @@ class Harness:
             self.view.status(f"{variant}: one request alone")
             self.alone_by_variant[variant] = self._alone(cluster, build_requests(
                 v.workload, math.inf, v.seed, wl.vocab, wl.tokenizer, wl.dataset, n=ALONE_REQUESTS, stream="alone"),
-                variant)
+                " + ".join(",".join(w.devices) for w in v.deployment.workers) or variant)
             for repeat, seed in enumerate(v.seeds()):
                 if v.auto:
                     self.search(cluster, v, repeat, seed)

@@ -143,7 +143,7 @@ def test_summarize_rate_by_hand():
     assert s["itl_ms"]["max"] == pytest.approx(400.0)
     assert s["interference"]["prefill_interruptions"] == 1  # c's gap overlaps a prefill step
     assert s["interference"]["slow_gaps"] == 2  # c's 150 ms and d's 400 ms
-    assert s["transfers"]["count"] == 1 and s["transfers"]["ms"]["max"] == pytest.approx(2.0)
+    assert s["transfers"]["count"] == 1 and s["transfers"]["copy_ms"]["max"] == pytest.approx(2.0)
 
 
 def test_summarize_run_goodput_per_variant():

@@ -77,7 +77,7 @@ def test_collect_env_has_the_basics():
 def test_finalize_summary_equals_a_recomputation_from_requests_jsonl(tmp_path):
     from pdlab.measure.finish import finalize
     from pdlab.measure.metrics import build_request_record
-    from pdlab.measure.summary import summarize_run
+    from pdlab.measure.summary import run_info, summarize_run
 
     from pdlab.recipe import SLO
 
@@ -95,7 +95,7 @@ def test_finalize_summary_equals_a_recomputation_from_requests_jsonl(tmp_path):
     on_disk = json.load(open(rd.file("summary.json")))
     run = load_run(rd.path)
     again = json.loads(dumps(summarize_run(run.requests, run.steps, run.transfers, slo, partial=True,
-                                           reason="stopped at rate 2")))
+                                           reason="stopped at rate 2", run=run_info(run))))
     assert on_disk == again == json.loads(dumps(summary))
     assert on_disk["partial"] and list(on_disk["variants"]["u"]["rates"]) == ["1", "inf"]
     assert json.load(open(rd.file("trace.json")))["traceEvents"]

@@ -134,10 +134,12 @@ def test_search_floor_makes_an_all_failing_search_closed():
     # x0.5: TTFT 50 ms: 0.1 fails. At or below the search's floor it is a finding (closed), else open below
     assert by_scale(rescore(recs, slo, [0.5], floors={("v", 0): 0.1}))["v"][0.5]["closed"]
     assert by_scale(rescore(recs, slo, [0.5]))["v"][0.5]["open_below"]
+    # summary.json's shape: each repeat of a search with its saturation; a grid has no floor
     summary = {"variants": {"v": {"mode": "search", "repeats": [
-        {"repeat": 0, "saturation": {"request_throughput": 3.2}}, {"repeat": 1, "floor": 0.05}]},
+        {"repeat": 0, "saturation": {"request_throughput": 3.2}}, {"repeat": 1, "saturation": {"request_throughput": 1.6}},
+        {"repeat": 2, "saturation": None}]},
         "g": {"mode": "grid", "repeats": [{"repeat": 0, "saturation": {"request_throughput": 3.2}}]}}}
-    assert search_floors(summary, 0.9) == {("v", 0): RateSearch(0.9, 3.2).floor, ("v", 1): 0.05}
+    assert search_floors(summary, 0.9) == {("v", 0): RateSearch(0.9, 3.2).floor, ("v", 1): RateSearch(0.9, 1.6).floor}
     assert RateSearch(0.9, 3.2).floor == 0.1
 
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from pdlab.measure.summary import summarize_run
+from pdlab.measure.summary import run_info, summarize_run
 from pdlab.measure.records import dumps, load_run
 from pdlab.recipe import SLO
 
@@ -60,7 +60,7 @@ def test_summary_is_what_the_records_say(tiny_run):
     again = summarize_run(run.requests, run.steps, run.transfers, SLO.from_raw(run.summary["slo"], "slo"), grid=grid,
                           alone=run.summary["alone"], alone_by_variant=run.summary["alone_by_variant"],
                           prefill_workers={"unified": 1, "disagg": 1},
-                          warnings=run.env["warnings"])
+                          warnings=run.env["warnings"], run=run_info(run))
     assert json.loads(dumps(again)) == run.summary
     assert run.summary["alone"]["requests"] == 3 and run.summary["alone"]["ttft_ms"] > 0
     assert set(run.summary["alone_by_variant"]) == {"unified", "disagg"}

@@ -192,11 +192,11 @@ def test_the_mori_table_shows_the_essays_pattern_at_8_req_s():
 def test_goodput_per_device_counts_the_modelled_devices_not_the_stand_ins():
     """Each of the MORI table's rows spans eight modelled GPUs (2 x TP4, 1 x TP8, TP4 + TP4), though its workers
     stand in on one or two CPU devices: compare divides by 8; a real run by its distinct devices."""
-    from pdlab.recipe import dump_recipe, load_recipe
-    from pdlab.report.compare import count_devices
+    from pdlab.recipe import Deployment, load_recipe
+    from pdlab.report.rows import count_devices
 
-    resolved = yaml.safe_load(dump_recipe(load_recipe(f"{ROOT}/recipes/mori-table.yaml")))
-    for name, v in resolved["variants"].items():
-        assert count_devices(v["deployment"], v["model"]["timing"]) == 8, name
-    assert count_devices({"unified": {"replicas": 2, "devices": ["cpu:0", "cpu:1"]}}) == 2
-    assert count_devices({"prefill": {"devices": ["cuda:0-3"], "tp": 4}, "decode": {"devices": ["cuda:4-7"], "tp": 4}}) == 8
+    for name, v in load_recipe(f"{ROOT}/recipes/mori-table.yaml").variants.items():
+        assert count_devices(v.deployment, v.model.timing) == 8, name
+    assert count_devices(Deployment.from_raw({"unified": {"replicas": 2, "devices": ["cpu:0", "cpu:1"]}}, "d")) == 2
+    assert count_devices(Deployment.from_raw({"unified": {"replicas": 2, "devices": ["cuda:0-3", "cuda:4-7"],
+                                                          "tp": 4}}, "d")) == 8

@@ -1,5 +1,6 @@
 """`pdlab plan RECIPE --devices N`: rank deployments for a device budget by simulated goodput, then run the
-best for real and print predicted against measured."""
+best for real and print predicted against measured. DIR/plan.json keeps the whole ranking (and the validation),
+DIR/planned.yaml the recipe of the validated candidates, DIR/run their run."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ def main(recipe_path: str, sets: list[str], devices: int, modes: str, validate: 
     import yaml
 
     from pdlab.engine.model import ModelLoadError
-    from pdlab.measure.records import dumps
+    from pdlab.measure.records import atomic_write, dumps
     from pdlab.recipe import RecipeError, dump_recipe, load_recipe, parse_recipe
     from pdlab.sim.plan import plan, relative_error
     from pdlab.workload import WorkloadError, build_workload
@@ -40,6 +41,14 @@ def main(recipe_path: str, sets: list[str], devices: int, modes: str, validate: 
               "slo": slo.to_raw(), "ranking": [{"candidate": r.candidate.name, "devices": r.candidate.devices,
                                                 "goodput": r.goodput, "goodput_per_device": r.per_device,
                                                 "closed_form": r.closed_form} for r in ranked], "validation": []}
+    path = out or os.path.join("runs", f"{recipe.name}-plan-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        return _err(f"--out {path}: cannot create it ({e.strerror})")
+    # the whole ranking, beside the validation run (DIR/run): a later pdlab compare of it says what was ranked
+    atomic_write(os.path.join(path, "plan.json"), dumps(result, indent=2))
+    print(f"wrote {os.path.join(path, 'plan.json')}", file=sys.stderr if json_ else sys.stdout)
     if validate > 0:
         top = ranked[:validate]
         raw = yaml.safe_load(dump_recipe(recipe))
@@ -47,8 +56,6 @@ def main(recipe_path: str, sets: list[str], devices: int, modes: str, validate: 
         raw["variants"] = {r.candidate.name: {"engine": first["engine"], "model": first["model"],
                                               "deployment": r.candidate.deployment} for r in top}
         raw["name"] = f"{recipe.name}-plan"
-        path = out or os.path.join("runs", f"{recipe.name}-plan-{time.strftime('%Y%m%d-%H%M%S')}")
-        os.makedirs(path, exist_ok=True)
         planned = os.path.join(path, "planned.yaml")
         with open(planned, "w") as f:
             f.write(dump_recipe(parse_recipe(raw)))
@@ -67,6 +74,7 @@ def main(recipe_path: str, sets: list[str], devices: int, modes: str, validate: 
             result["validation"].append({"candidate": r.candidate.name, "predicted": r.goodput["mean"],
                                          "measured": m["mean"], "measured_interval": [m["lo"], m["hi"]],
                                          "relative_error": relative_error(r.goodput["mean"], m["mean"])})
+        atomic_write(os.path.join(path, "plan.json"), dumps(result, indent=2))  # with what validation measured
     if json_:
         print(dumps(result, indent=2))
     else:

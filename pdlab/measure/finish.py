@@ -4,10 +4,11 @@ disk, so `summary.json` is by construction what anyone recomputes from requests.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Optional
 
 from pdlab.measure.records import RunDir, load_run
-from pdlab.measure.summary import summarize_run
+from pdlab.measure.summary import run_info, summarize_run
 from pdlab.measure.trace import build_trace
 from pdlab.recipe.slo import SLO
 
@@ -21,9 +22,10 @@ def finalize(rd: RunDir, slo: SLO, grid: Optional[dict[str, Any]] = None, partia
     and never lose the summary or the trace.
     """
     rd.close()  # flush and close the record files before reading them back
+    rd.update_env(ended=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     run = load_run(rd.path)
     summary = summarize_run(run.requests, run.steps, run.transfers, slo, grid=grid, partial=partial, reason=reason,
-                            **facts)
+                            run=run_info(run), **facts)
     rd.write_summary(summary)
     rd.write_trace(build_trace(run.requests, run.steps, run.transfers))
     if plots:

@@ -206,7 +206,7 @@ def collect_env() -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0],
         "platform": platform.platform(), "host": socket.gethostname(), "cpu_count": os.cpu_count(),
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_bytes": _mem_total(), "argv": sys.argv,
+        "memory_bytes": _mem_total(), "cpu_model": _cpu_model(), "argv": sys.argv,
     }
     for mod in ("pdlab", "torch", "transformers", "numpy", "zmq"):
         try:
@@ -228,6 +228,18 @@ def collect_env() -> dict:
     except (OSError, subprocess.SubprocessError):
         env["git_commit"] = None
     return env
+
+
+def _cpu_model() -> Optional[str]:
+    """The CPU's model name (/proc/cpuinfo; platform's processor elsewhere): which box measured."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
 
 
 def _mem_total() -> Optional[int]:

@@ -9,7 +9,12 @@ each rate search), so a summary is by construction what anyone recomputes from t
 - Per variant: each rate pooled over repeats (with the per-repeat attainment and latencies as mean and
   95% interval), goodput as mean and interval of the repeats' goodputs with their brackets, saturation
   throughput likewise, latencies at goodput (each repeat's last passing rate), and the M/D/1 check.
-- Warnings: delivery lag above 5% of the ITL target, an M/D/1 deviation over 25%, non-monotonic attainment.
+- Warnings: delivery lag above 5% of the ITL target, an M/D/1 deviation over 25%, non-monotonic attainment,
+  KV hand-overs that NIXL moved over TCP, and the box (pdlab.measure.box): one request alone far from the
+  recipe's expectation, a fixed rate above saturation.
+- Every interval is clamped at its physical bound (no negative latency, rate or throughput; no attainment
+  above 1) and says so (`clamped: true`): a Student-t interval from few noisy repeats can reach past it.
+- What ran: the recipe's name, start and end, the CPU model (`run`, from env.json) and `schema_version`.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ import math
 from collections import defaultdict
 from typing import Any, Optional
 
+from pdlab.kv.ucx_log import rma_over_tcp
+from pdlab.measure.box import alone_finding, over_line, over_saturation
 from pdlab.measure.confidence import estimate
 from pdlab.measure.metrics import as_rate, summarize_rate
 from pdlab.measure.search import goodput_of
@@ -33,6 +40,30 @@ MD1_FLAG_RHO = 0.35  # flag only at low load: a short run starts with an empty q
 # latencies reported per repeat and over repeats; a request's worst gap at p90 over requests: the stall one
 # request in ten sees (at low load most requests see no prefill at all, so the median hides it)
 LATENCIES = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"), ("worst_gap_ms", "p90"))
+# 2: bounded intervals, `run`, `box`, `definitions`, `schema_version`; transfers.copy_ms (was transfers.ms)
+SCHEMA_VERSION = 2
+# the two transfer times a summary holds: one name, one definition each (docs/design.md 2.11)
+DEFINITIONS = {
+    "transfers.copy_ms": "KV copy time: each hand-over's copy from its start to its end (transfers.jsonl), whether "
+                         "or not a request waited for it; in push mode most of it overlaps the prefill",
+    "ttft_parts_ms.transfer": "exposed transfer: the part of the copy a request still waited for once its prefill "
+                              "had ended, max(prefill_end, transfer_start) -> transfer_end; part of TTFT",
+}
+
+
+def bounded_estimate(values: Any, hi: Optional[float] = None) -> dict:
+    """estimate() of a quantity that cannot be negative (a latency, a rate, a throughput) nor, with `hi`, above
+    it (an attainment: 1): the Student-t interval is clamped there, and `clamped: true` says it was."""
+    e = estimate(values).to_dict()
+    if e["lo"] is not None and (e["lo"] < 0 or (hi is not None and e["hi"] > hi)):
+        e.update(lo=max(0.0, e["lo"]), hi=e["hi"] if hi is None else min(hi, e["hi"]), clamped=True)
+    return e
+
+
+def run_info(run: Any) -> dict:
+    """What ran, from a run directory (pdlab.measure.records.Run): recipe name, start and end, CPU model."""
+    return {"recipe": run.recipe.get("name"), "started": run.env.get("time"), "ended": run.env.get("ended"),
+            "cpu_model": run.env.get("cpu_model"), "simulated": bool(run.env.get("simulated"))}
 
 
 def _key(kind: str, stat: str) -> str:
@@ -97,7 +128,7 @@ def _repeat(rates: dict[float, dict], slo: SLO, floor: Optional[float], alone_tt
 
 
 def _goodput_estimate(gs: list[dict]) -> dict:
-    e = estimate(g["goodput"] for g in gs).to_dict()
+    e = bounded_estimate(g["goodput"] for g in gs)
     e.update(closed=all(g["closed"] for g in gs), open_above=any(g["open_above"] for g in gs),
              open_below=any(g["open_below"] for g in gs), monotonic=all(g["monotonic"] for g in gs),
              capped=any(g["capped"] for g in gs),
@@ -111,14 +142,17 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                   relative: Optional[dict] = None,
                   prefill_workers: Optional[dict[str, int]] = None,
                   floors: Optional[dict[tuple[str, int], float]] = None, warnings: Optional[list[str]] = None,
-                  modelled: Optional[dict[str, str]] = None, kernels: Optional[dict[str, dict]] = None) -> dict:
+                  modelled: Optional[dict[str, str]] = None, expect: Any = None,
+                  run: Optional[dict] = None,
+                  kernels: Optional[dict[str, dict]] = None) -> dict:
     """The summary of a run. `grid`: variant -> planned rates or "auto" (variants in run order; one that has no
     records is listed with `ran: false`); default: the variants found in the records. `alone`: the
     calibration ({ttft_ms, itl_ms, ...}); `relative`: the SLO multipliers it resolved; `floors`: (variant,
     repeat) -> the lowest rate its search would try (so an all-failing search reads as closed);
     `alone_by_variant`: one request alone on each variant's own deployment, the D of its M/D/1 check
     (default: the calibration's); `modelled`: variant -> which timing model its times come from (its
-    times are then not the hardware's)."""
+    times are then not the hardware's); `expect`: the recipe's expectation of this box (pdlab.recipe.Expect:
+    alone_ttft_ms, tolerance); `run`: what ran (`run_info`)."""
     rq, st, tr = _by(requests), _by(steps), _by(transfers)
     names = list(grid) if grid is not None else list(dict.fromkeys(v for v, _, _ in rq))
     alone_s = alone["ttft_ms"] / 1000.0 if alone and alone.get("ttft_ms") else None
@@ -142,8 +176,8 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                                [x for i in repeats for x in tr.get((v, i, r), [])], slo, r)
             per = [p["rates"][rate_tag(r)] for p in reps if rate_tag(r) in p["rates"]]
             s["repeats"] = len(per)
-            s["over_repeats"] = {"attainment": estimate(p["attainment"] for p in per).to_dict(),
-                                 **{_key(k, q): estimate(p[k][q] for p in per).to_dict() for k, q in LATENCIES}}
+            s["over_repeats"] = {"attainment": bounded_estimate((p["attainment"] for p in per), hi=1.0),
+                                 **{_key(k, q): bounded_estimate(p[k][q] for p in per) for k, q in LATENCIES}}
             pooled[rate_tag(r)] = {"rate": rate_tag(r) if math.isinf(r) else r, **s}
             if s["delivery_lag_ms"]["p99"] is not None:
                 lags.append((s["delivery_lag_ms"]["p99"], r))
@@ -160,10 +194,10 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
             "rates": pooled, "repeats": reps,
             "goodput": _goodput_estimate([p["goodput"] for p in reps]),
             "goodput_tpot": _goodput_estimate([p["goodput_tpot"] for p in reps]),
-            "saturation": {k: estimate(s[k] for s in sats).to_dict() for k in
+            "saturation": {k: bounded_estimate(s[k] for s in sats) for k in
                            ("output_tok_s", "total_tok_s", "request_throughput")} if sats else None,
             "at_goodput": {"rates": [a["rate"] for a in at],
-                           **{_key(k, q): estimate(a[_key(k, q)] for a in at).to_dict() for k, q in LATENCIES}}
+                           **{_key(k, q): bounded_estimate(a[_key(k, q)] for a in at) for k, q in LATENCIES}}
             if at else None,
             "mdl1": {"flagged": any(m["flag"] for m in md), "repeats": md} if md else None,
         }
@@ -176,7 +210,14 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                         f"{worst['predicted_ms']:.0f} ms from M/D/1 ({worst['deviation']:+.0%}): {why}")
         if reps and not variants[v]["goodput"]["monotonic"]:
             warn.append(f"{v}: attainment is not monotonic in rate; goodput is bounded by the first failing rate")
-    return {"slo": {k: v for k, v in slo.to_raw().items() if k not in ("ttft", "itl")}, "relative": relative,
+    warn += _nixl_over_tcp(transfers)
+    box = {"alone": alone_finding(alone, expect and expect.alone_ttft_ms, expect.tolerance if expect else 2.0),
+           "over_saturation": over_saturation(variants, alone_by_variant or {}, alone, prefill_workers or {},
+                                              modelled or {})}
+    box["lines"] = [x for x in ((box["alone"] or {}).get("line"), over_line(box["over_saturation"])) if x]
+    warn += box["lines"]
+    return {"schema_version": SCHEMA_VERSION, "run": run, "box": box, "definitions": DEFINITIONS,
+            "slo": {k: v for k, v in slo.to_raw().items() if k not in ("ttft", "itl")}, "relative": relative,
             "alone": alone, "alone_by_variant": alone_by_variant or {},
             "repeats": max((len(v["repeats"]) for v in variants.values()), default=0),
             "confidence": "mean and 95% Student-t interval over repeats",
@@ -184,3 +225,10 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
             "reason": reason, "warnings": warn, "modelled": dict(modelled or {}), "variants": variants,
             # variant -> {workers: worker -> kernel -> choice, describe: one line} (pdlab.measure.kernels)
             "kernels": dict(kernels or {})}
+
+
+def _nixl_over_tcp(transfers: list[dict]) -> list[str]:
+    """One warning per KV path over which NIXL moved data by TCP (UCX's fallback when nothing faster works)."""
+    paths = sorted({(x["variant"], x["path"]) for x in transfers if x.get("transport") == "nixl" and x.get("path")})
+    return [f"{v}: NIXL moved KV over TCP ({p}): slower than shared memory or RDMA; see pdlab doctor"
+            for v, p in paths if rma_over_tcp(p)]

@@ -25,13 +25,14 @@ from pdlab.fields import (RecipeError, Section, check_keys, did_you_mean, key_of
                           to_float, to_int, to_text)
 from pdlab.recipe.backend import EngineBackend, check_external
 from pdlab.recipe.deployment import DISAGG_ONLY, Deployment
+from pdlab.recipe.expect import Expect
 from pdlab.recipe.model import ModelSpec
 from pdlab.recipe.slo import DEFAULT_ITL_MS, DEFAULT_TTFT_MS, SLO
 from pdlab.recipe.workload import WorkloadSpec
 
 VARIANT_KEYS = ("deployment", "engine", "model", "description")
 TOP_KEYS = ("name", "description", "seed", "warmup", "model", "engine", "workload", "rates", "search", "repeats",
-            "slo", "simulate", "deployment", "variants")
+            "slo", "simulate", "expect", "deployment", "variants")
 RATES_FORM = ("auto (goodput found by search) or a list of request rates > 0 (req/s), inf for all-at-once, "
               "e.g. [1, 2, 4, .inf]")
 AUTO = "auto"
@@ -139,6 +140,8 @@ class Shared(Section):
     # A recipe at GPU time scales (millisecond steps of many modelled devices) runs in virtual time by default:
     # timed worker processes on a small box cannot keep those deadlines (BENCHMARKS.md). --no-simulate overrides.
     simulate: bool = spec(False, "true or false (run in virtual time; every variant needs model.timing)", to_bool)
+    # what the box the recipe was written for does (pdlab.recipe.expect): a run on another box says so
+    expect: Expect = spec(Expect(), parse=section(Expect))
 
 
 @dataclass(frozen=True)

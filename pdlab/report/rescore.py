@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
-from pdlab.measure.confidence import Estimate, estimate, format_estimate
 from pdlab.measure.metrics import as_rate, summarize_rate, timings
 from pdlab.measure.records import Run
 from pdlab.measure.search import RateSearch, goodput_of
 from pdlab.measure.slo import request_slo
+from pdlab.measure.summary import bounded_estimate
 from pdlab.recipe.slo import SLO
+from pdlab.report.load import LoadedRun, from_run
+from pdlab.report.rows import Goodput
 
 WIDTH = 100
 
@@ -35,9 +37,9 @@ def _groups(requests: Iterable[dict]) -> dict[str, dict[int, dict[float, list[di
     """variant -> repeat -> rate -> measured records (warm-up left out), in the order first seen."""
     g: dict[str, dict[int, dict[float, list[dict]]]] = {}
     for r in requests:
-        if r.get("warmup"):
+        if "warmup" in r and r["warmup"]:  # written only on warm-up records
             continue
-        g.setdefault(r["variant"], {}).setdefault(int(r.get("repeat") or 0), {}).setdefault(
+        g.setdefault(r["variant"], {}).setdefault(int(r["repeat"] or 0), {}).setdefault(
             as_rate(r["rate"]), []).append(r)
     return g
 
@@ -46,8 +48,8 @@ def _verdicts(records: list[dict]) -> list[tuple[bool, Optional[float], list[flo
     """(ok, ttft, gaps, tpot) of each record, recomputed from its raw fields as the summary does."""
     out = []
     for r in records:
-        ok = bool(r.get("ok")) and bool(r.get("token_times"))
-        t = timings(r["arrival"], r.get("token_times") or [], r.get("chunks"))
+        ok = bool(r["ok"]) and bool(r["token_times"])
+        t = timings(r["arrival"], r["token_times"], r["chunks"] if "chunks" in r else None)  # chunks: HTTP clients
         out.append((ok, t["ttft"], t["itl"], t["tpot"]))
     return out
 
@@ -61,10 +63,10 @@ def attainment(judged: list[tuple[bool, Optional[float], list[float], Optional[f
 
 def _estimate(gs: list[dict]) -> dict:
     """Goodput over repeats: the estimate dict, with how far it can be trusted (as in summary.json)."""
-    e = estimate(g["goodput"] for g in gs).to_dict()
+    e = bounded_estimate(g["goodput"] for g in gs)
     e.update(open_above=any(g["open_above"] for g in gs), open_below=any(g["open_below"] for g in gs),
              closed=bool(gs) and all(g["closed"] for g in gs), monotonic=all(g["monotonic"] for g in gs),
-             capped=any(g.get("capped", False) for g in gs),
+             capped=any(g["capped"] for g in gs),
              brackets=[[g["last_pass"], g["first_fail"]] for g in gs])
     return e
 
@@ -114,45 +116,39 @@ def rescore(requests: Iterable[dict], slo: SLO, scales: Iterable[float], variant
 
 
 def search_floors(summary: dict, target: float) -> dict[tuple[str, int], float]:
-    """(variant, repeat) -> the floor of its rate search, for the search-mode variants of a summary: the one a
-    repeat records, else the harness's (RateSearch's default fraction of the saturation request rate)."""
+    """(variant, repeat) -> the floor of its rate search, for the search-mode variants of a summary: the
+    harness's (RateSearch's default fraction of the repeat's saturation request rate)."""
     floors = {}
-    for v, vs in (summary.get("variants") or {}).items():
-        if vs.get("mode") != "search":
-            continue
-        for rep in vs.get("repeats") or []:
-            i = int(rep.get("repeat") or 0)
-            if rep.get("floor") is not None:
-                floors[(v, i)] = float(rep["floor"])
-                continue
-            sat = ((rep.get("saturation") or {}).get("request_throughput"))
+    for v, vs in summary["variants"].items():
+        for rep in vs["repeats"] if vs["mode"] == "search" else []:
+            sat = rep["saturation"]["request_throughput"] if rep["saturation"] else None
             if sat and math.isfinite(sat) and sat > 0:
-                floors[(v, i)] = RateSearch(target, sat).floor
+                floors[(v, int(rep["repeat"] or 0))] = RateSearch(target, sat).floor
     return floors
 
 
-def run_slo(run: Run) -> SLO:
+def run_slo(lr: LoadedRun) -> SLO:
     """The absolute SLO a run applied: summary.json's `slo` (resolved), else the recipe's when absolute."""
-    raw = (run.summary or {}).get("slo") or run.recipe.get("slo")
-    if not raw:
-        raise ValueError(f"{run.name}: no SLO recorded (summary.json and recipe.yaml have none)")
-    raw = {k: v for k, v in raw.items() if k in SLO.keys()}
-    slo = SLO.from_raw(raw, "slo")
+    raw = lr.summary["slo"]
+    slo = SLO.from_raw({k: v for k, v in raw.items() if k in SLO.keys()}, "slo") if raw else (
+        lr.recipe.slo if lr.recipe else None)
+    if slo is None:
+        raise ValueError(f"{lr.name}: no SLO recorded (summary.json and recipe.yaml have none)")
     if slo.relative and (slo.ttft_ms is None or slo.itl_ms is None):
-        raise ValueError(f"{run.name}: the SLO is relative and the run recorded no resolved targets; "
+        raise ValueError(f"{lr.name}: the SLO is relative and the run recorded no resolved targets; "
                          "SLO scale needs summary.json's slo")
     return slo.replace(ttft=None, itl=None)
 
 
-def rescore_run(run: Run, scales: Iterable[float]) -> dict:
+def rescore_run(run: Union[Run, LoadedRun], scales: Iterable[float]) -> dict:
     """`rescore` of one run directory: its SLO, its variants in order, its searches' floors."""
-    slo = run_slo(run)
-    summary = run.summary or {}
-    names = list(summary.get("variants") or {}) or None
-    return rescore(run.requests, slo, scales, names, search_floors(summary, slo.attainment))
+    lr = run if isinstance(run, LoadedRun) else from_run(run)
+    slo = run_slo(lr)
+    return rescore(lr.run.requests, slo, scales, list(lr.summary["variants"]) or None,
+                   search_floors(lr.summary, slo.attainment))
 
 
-def rescore_runs(runs: list[Run], scales: Iterable[float]) -> dict:
+def rescore_runs(runs: list[Union[Run, LoadedRun]], scales: Iterable[float]) -> dict:
     """`rescore` of several runs (of one recipe, as `pdlab compare` requires), rows labelled as compare's:
     `variant` for one run, `run/variant` for several."""
     scales = list(scales)
@@ -188,12 +184,12 @@ def parse_scales(text: Optional[str]) -> list[float]:
 
 def cell(g: dict) -> str:
     """'1.40 ± 0.12', '≥ 4.00' (no rate tried failed), '0.00*' (the lowest rate tried failed), '3.90 sat' (held
-    to the saturation throughput), '—'."""
-    e = Estimate.from_dict(g)
-    if e.mean is None:
+    to the saturation throughput), '—'; marked † and ‡ as compare's tables are (pdlab.report.stats)."""
+    e = Goodput.of(g)
+    if e.stat.mean is None:
         return "—"
-    return (("≥ " if g.get("open_above") else "") + format_estimate(e) + ("*" if g.get("open_below") else "")
-            + (" sat" if g.get("capped") else ""))
+    return (("≥ " if g["open_above"] else "") + e.stat.cell() + ("*" if g["open_below"] else "")
+            + (" sat" if g["capped"] else ""))
 
 
 def render(result: dict, console: Any = None) -> None:
@@ -206,9 +202,9 @@ def render(result: dict, console: Any = None) -> None:
     from rich.table import Table
 
     console = console or Console(width=None if sys.stdout.isatty() else WIDTH)
-    slo = result.get("slo") or {}
-    console.print(f"SLO scale s: TTFT and ITL targets × s (ITL {slo.get('itl_stat', '?')}, attainment ≥ "
-                  f"{(slo.get('attainment') or 0) * 100:g}% kept), from the records")
+    slo = result["slo"]
+    console.print(f"SLO scale s: TTFT and ITL targets × s (ITL {slo['itl_stat']}, attainment ≥ "
+                  f"{slo['attainment'] * 100:g}% kept), from the records")
     t = Table(box=box.SIMPLE_HEAD, title_justify="left",
               title="goodput by SLO scale (req/s, mean ± 95% interval over repeats)")
     t.add_column("variant")
@@ -216,8 +212,8 @@ def render(result: dict, console: Any = None) -> None:
         t.add_column(f"×{tg['scale']:g}\n{tg['ttft_ms']:.0f}/{tg['itl_ms']:.4g} ms", justify="right")
     below = capped = False
     for v, cells in result["variants"].items():
-        below |= any(c["goodput"].get("open_below") for c in cells)
-        capped |= any(c["goodput"].get("capped") for c in cells)
+        below |= any(c["goodput"]["open_below"] for c in cells)
+        capped |= any(c["goodput"]["capped"] for c in cells)
         t.add_row(escape(v), *[cell(c["goodput"]) for c in cells])
     console.print(t)
     console.print("  column heads: TTFT/ITL targets (ms); ≥: no rate tried failed (a lower bound)")

@@ -1,119 +1,199 @@
-"""The verdict: one sentence per variant against the baseline, right in every case the numbers allow.
+"""The verdict: a structured judgement of one variant against its baseline (its sentence: pdlab.report.wording).
 
-A difference is claimed only when the goodput intervals over repeats separate (pdlab.measure.confidence);
-with one repeat there is no interval and the verdict says so instead of guessing. Cases, in the order they
-are decided:
+What is compared decides the words (`kind`):
+- `disaggregation`: a unified and a disaggregated layout of one engine ("disaggregation bought ...");
+- `step_budget`: one layout, another step token budget or chunking ("the smaller step budget bought ...");
+- `engine`: two engine families (pdlab, vllm, endpoint): a cross-engine comparison, and it says so;
+- `deployment`: anything else of one engine and layout (pull against push, TP, replicas, the prefix cache).
+Where the times come from (`timing`: measured, modelled, simulated) decides the place: only measured times
+are "on this machine"; modelled ones are "under the timing model", simulated ones "in simulation".
 
-1. a row that did not run, or whose run was cut short: no verdict, say why;
-2. neither meets the SLO at any rate tried (goodput 0 on both): nothing to choose;
-3. the baseline meets it nowhere and the candidate does: the candidate is the difference between serving
-   and not (never "n/a");
-4. the candidate meets it nowhere and the baseline does: the reverse;
-5. intervals separate: the ratio, what it bought (predictability, capacity), where the misses went;
-   a bound that did not close (goodput a lower bound, or 0 above an unexplored floor) is named;
-6. intervals overlap, or one repeat: not distinguishable on this machine; with no ITL problem in the
-   baseline, the unified engine is enough.
+A difference is claimed only when the goodput intervals over repeats separate (pdlab.measure.confidence):
+with one repeat there is no interval and the verdict says so. The goodput ratio carries its bound type
+(`exact`; `lower` when the candidate's goodput is a lower bound; `upper` when the baseline's is; `unknown`
+when both are), and capacity is named only when both sides measured saturation. Outcomes, in the order they
+are decided: no_verdict (a side did not run, was cut short, or has no goodput), neither_serves,
+baseline_fails, candidate_fails, better, worse, unified_enough (a disaggregation whose unified baseline had
+no ITL problem), not_distinguishable.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 from pdlab.measure.confidence import Estimate, format_estimate, separated
 
+KINDS = ("disaggregation", "step_budget", "engine", "deployment")
+OUTCOMES = ("no_verdict", "neither_serves", "baseline_fails", "candidate_fails", "better", "worse",
+            "unified_enough", "not_distinguishable")
+WHERE = {"measured": "on this machine", "modelled": "under the timing model", "simulated": "in simulation"}
+CAPACITY_GAIN = 0.05  # saturation throughput up by more than this: disaggregation bought capacity too
+TTFT_NOTABLE = 2.0  # a median TTFT this many times the other's is named even without separated intervals
+
 
 @dataclass(frozen=True)
-class Row:
-    """What a verdict reads of one compare row."""
+class Side:
+    """What a verdict reads of one compare row (pdlab.report.rows.Row.side)."""
 
     label: str
-    kind: str  # unified | disagg | ?
-    ran: bool
-    partial: bool
     goodput: Estimate
-    open_above: bool = False  # some repeat never failed: goodput is a lower bound
-    open_below: bool = False  # some repeat failed at the lowest rate tried, above the search floor
-    capped: bool = False  # some repeat met the SLO up to its saturation throughput: capacity limits it
+    engine: str = "pdlab"
+    layout: str = "unified"  # unified | disagg | ?
+    timing: str = "measured"  # measured | modelled | simulated
+    bound: str = "exact"  # exact | lower | below (pdlab.report.rows.Goodput.bound)
+    open_above: bool = False
+    open_below: bool = False
+    capped: bool = False
+    limit: str = ""
     itl_misses: int = 0
     ttft_misses: int = 0
     prefill_interruptions: int = 0
-    throughput: Optional[Estimate] = None  # output tok/s at saturation
+    throughput: Optional[Estimate] = None  # output tok/s at saturation; None when not measured
     ttft_p50: Optional[Estimate] = None  # at the latency table's rate (ms)
+    token_budget: Optional[int] = None
+    chunked: Optional[bool] = None
+    ran: bool = True
+    partial: bool = False
 
 
-def _g(r: Row) -> str:
-    s = format_estimate(r.goodput)
-    return ("≥ " + s) if r.open_above else s
+@dataclass(frozen=True)
+class Verdict:
+    baseline: str
+    candidate: str
+    kind: str
+    timing: str
+    outcome: str
+    cross_engine: bool = False
+    engines: tuple[str, str] = ("pdlab", "pdlab")
+    reason: Optional[str] = None  # why there is no verdict
+    goodput: tuple[Optional[float], Optional[float]] = (None, None)  # baseline, candidate means
+    goodput_text: tuple[str, str] = ("—", "—")
+    ratio: Optional[float] = None
+    ratio_bound: Optional[str] = None  # exact | lower | upper | unknown
+    separated: bool = False
+    repeats: int = 0  # the fewer of the two sides
+    limits: tuple[str, str] = ("", "")
+    itl_misses: tuple[int, int] = (0, 0)
+    ttft_misses: tuple[int, int] = (0, 0)
+    capacity_change: Optional[float] = None  # saturation output tok/s, relative; None unless both measured it
+    ttft_p50_ms: Optional[tuple[float, float]] = None  # named when notable
+    open_above: tuple[str, ...] = ()
+    open_below: tuple[str, ...] = ()
+    who: str = field(default="", repr=False)  # the subject of "... bought": disaggregation, a step budget, a label
+
+    def to_dict(self) -> dict:
+        b, c = self.baseline, self.candidate
+        return {"baseline": b, "candidate": c, "kind": self.kind, "timing": self.timing, "outcome": self.outcome,
+                "cross_engine": self.cross_engine, "engines": {"baseline": self.engines[0], "candidate": self.engines[1]},
+                "reason": self.reason, "goodput": {"baseline": self.goodput[0], "candidate": self.goodput[1]},
+                "ratio": self.ratio, "ratio_bound": self.ratio_bound, "separated": self.separated,
+                "repeats": self.repeats, "limits": {"baseline": self.limits[0], "candidate": self.limits[1]},
+                "misses": {"itl": {"baseline": self.itl_misses[0], "candidate": self.itl_misses[1]},
+                           "ttft": {"baseline": self.ttft_misses[0], "candidate": self.ttft_misses[1]}},
+                "capacity_change": self.capacity_change,
+                "ttft_p50_ms": None if self.ttft_p50_ms is None else {"baseline": self.ttft_p50_ms[0],
+                                                                      "candidate": self.ttft_p50_ms[1]},
+                "open_above": list(self.open_above), "open_below": list(self.open_below)}
 
 
-def _zero(r: Row) -> bool:
-    return r.goodput.mean is not None and r.goodput.mean == 0 and not r.open_below
+def kind_of(base: Side, row: Side) -> str:
+    if base.engine != row.engine:
+        return "engine"
+    if base.layout != row.layout:
+        return "disaggregation"
+    if (base.token_budget, base.chunked) != (row.token_budget, row.chunked):
+        return "step_budget"
+    return "deployment"
 
 
-def _misses(base: Row, row: Row) -> str:
-    return (f"ITL misses {base.itl_misses} → {row.itl_misses}, TTFT misses {base.ttft_misses} → {row.ttft_misses}")
+def timing_of(base: Side, row: Side) -> str:
+    """measured only when both are; simulated when both are; modelled otherwise."""
+    if base.timing == row.timing and base.timing in WHERE:
+        return base.timing
+    return "modelled"
 
 
-def _throughput(base: Row, row: Row) -> Optional[float]:
-    if base.throughput is None or row.throughput is None or not base.throughput.mean or row.throughput.mean is None:
+def _who(kind: str, base: Side, row: Side) -> str:
+    if kind == "disaggregation":
+        return "disaggregation" if row.layout == "disagg" else "the unified layout"
+    if kind == "step_budget" and base.token_budget and row.token_budget:
+        size = "smaller" if row.token_budget < base.token_budget else "larger"
+        chunk = ", chunked" if row.chunked and not base.chunked else ""
+        return f"the {size} step budget ({row.token_budget} against {base.token_budget} tokens{chunk})"
+    return row.label
+
+
+def ratio_of(base: Side, row: Side) -> tuple[Optional[float], Optional[str]]:
+    """Goodput of `row` over `base`'s, and its bound type (exact, lower, upper, unknown); (None, None) without one."""
+    if not base.goodput.mean or row.goodput.mean is None:
+        return None, None
+    lower = (row.bound == "lower", base.bound == "lower")
+    bound = {(False, False): "exact", (True, False): "lower", (False, True): "upper", (True, True): "unknown"}[lower]
+    return row.goodput.mean / base.goodput.mean, bound
+
+
+def _capacity(base: Side, row: Side) -> Optional[float]:
+    a, b = base.throughput, row.throughput
+    if a is None or b is None or not a.mean or b.mean is None:
         return None
-    return (row.throughput.mean - base.throughput.mean) / base.throughput.mean
+    return (b.mean - a.mean) / a.mean
 
 
-def _ttft_cost(base: Row, row: Row) -> str:
-    """'; paid in TTFT: p50 182 → 318 ms' when the candidate's median TTFT is higher beyond noise."""
+def _ttft(base: Side, row: Side) -> Optional[tuple[float, float]]:
     a, b = base.ttft_p50, row.ttft_p50
-    if a is None or b is None or a.mean is None or b.mean is None or not separated(a, b) or b.mean <= a.mean:
-        return ""
-    return f"; paid in TTFT: p50 {a.mean:.0f} → {b.mean:.0f} ms"
+    if a is None or b is None or not a.mean or not b.mean:
+        return None
+    if separated(a, b) or max(a.mean, b.mean) / min(a.mean, b.mean) >= TTFT_NOTABLE:
+        return a.mean, b.mean
+    return None
 
 
-def verdict(base: Row, row: Row) -> str:
-    head = f"{row.label} vs {base.label}: "
-    for r in (row, base):
-        if not r.ran:
-            return head + f"no verdict: {r.label} did not run"
-        if r.partial:
-            return head + f"no verdict: the run of {r.label} was cut short (partial)"
-        if r.goodput.mean is None:
-            return head + f"no verdict: {r.label} has no goodput (no finite rate measured)"
+def _text(s: Side) -> str:
+    if s.bound == "below":
+        return "0 (below the lowest rate tried)"
+    return ("≥ " if s.bound == "lower" else "") + format_estimate(s.goodput)
+
+
+def _zero(s: Side) -> bool:
+    return s.goodput.mean == 0
+
+
+def _outcome(base: Side, row: Side, kind: str) -> tuple[str, Optional[str], bool]:
+    for s in (row, base):
+        if not s.ran:
+            return "no_verdict", f"{s.label} did not run", False
+        if s.partial:
+            return "no_verdict", f"the run of {s.label} was cut short (partial)", False
+        if s.goodput.mean is None:
+            return "no_verdict", f"{s.label} has no goodput (no finite rate measured)", False
     if _zero(base) and _zero(row):
-        return head + ("neither meets the SLO at any rate tried (goodput 0 for both): nothing to choose here; "
-                       "loosen the SLO or change the deployment")
-    thr = _throughput(base, row)
-    thr_s = "" if thr is None else f", saturation throughput {thr * 100:+.0f}%".replace("-", "−")
-    who = "disaggregation" if row.kind == "disagg" and base.kind != "disagg" else row.label
-    if _zero(base) and row.goodput.mean > 0:
-        return head + (f"goodput {_g(row)} req/s against 0: {base.label} meets the SLO at no rate tried and "
-                       f"{row.label} does, so {who} is the difference between serving and not "
-                       f"({_misses(base, row)}{thr_s})")
-    if _zero(row) and base.goodput.mean > 0:
-        return head + (f"goodput 0 against {_g(base)} req/s: {row.label} meets the SLO at no rate tried; "
-                       f"{base.label} is the one to deploy ({_misses(base, row)}{thr_s})")
-    ratio = row.goodput.mean / base.goodput.mean if base.goodput.mean else None
-    nums = f"goodput {_g(row)} vs {_g(base)} req/s" + (f" ({ratio:.2f}×)" if ratio else "")
-    one = base.goodput.n < 2 or row.goodput.n < 2
-    caveat = " (one repeat has no interval: set repeats: 3 or more to tell a difference from noise)" if one else ""
-    bound = ""
-    if row.open_above or base.open_above:
-        bound = "; a lower bound: the rates tried never failed for " + " and ".join(
-            r.label for r in (row, base) if r.open_above)
-    if row.open_below or base.open_below:
-        bound += "; the lowest rate tried already failed for " + " and ".join(
-            r.label for r in (row, base) if r.open_below)
-    if row.capped or base.capped:
-        bound += "; held to the saturation throughput (capacity, not latency, limits it) for " + " and ".join(
-            r.label for r in (row, base) if r.capped)
-    if not one and separated(row.goodput, base.goodput):
-        if row.goodput.mean > base.goodput.mean:
-            what = "capacity and predictability" if thr is not None and thr > 0.05 else "predictability, not capacity"
-            moved = ("; the remaining misses are TTFT misses: the bottleneck moved to prefill"
-                     if row.ttft_misses > 0 and row.itl_misses < base.itl_misses else "")
-            cost = _ttft_cost(base, row)
-            return head + f"{nums}, {_misses(base, row)}{thr_s}: {who} bought {what}{moved}{cost}{bound}"
-        return head + f"{nums}, {_misses(base, row)}{thr_s}: {base.label} is better here{bound}"
-    if base.kind == "unified" and base.itl_misses == 0 and base.prefill_interruptions == 0:
-        return head + (f"{nums}, {_misses(base, row)}{thr_s}: no ITL problem at these rates: the unified engine "
-                       f"is enough{bound}{caveat}")
-    return head + f"{nums}, {_misses(base, row)}{thr_s}: not distinguishable on this machine{bound}{caveat}"
+        return "neither_serves", None, False
+    if _zero(base):
+        return "baseline_fails", None, False
+    if _zero(row):
+        return "candidate_fails", None, False
+    sep = separated(row.goodput, base.goodput)
+    if sep:
+        return ("better" if row.goodput.mean > base.goodput.mean else "worse"), None, True
+    if (kind == "disaggregation" and base.layout == "unified" and base.itl_misses == 0
+            and base.prefill_interruptions == 0):
+        return "unified_enough", None, False
+    return "not_distinguishable", None, False
+
+
+def judge(base: Side, row: Side) -> Verdict:
+    """The verdict on `row` against `base`; see the module docstring for the rules."""
+    kind = kind_of(base, row)
+    outcome, reason, sep = _outcome(base, row, kind)
+    ratio, bound = ratio_of(base, row) if outcome != "no_verdict" else (None, None)
+    return Verdict(
+        baseline=base.label, candidate=row.label, kind=kind, timing=timing_of(base, row), outcome=outcome,
+        cross_engine=kind == "engine", engines=(base.engine, row.engine), reason=reason,
+        goodput=(base.goodput.mean, row.goodput.mean), goodput_text=(_text(base), _text(row)),
+        ratio=ratio, ratio_bound=bound, separated=sep, repeats=min(base.goodput.n, row.goodput.n),
+        limits=(base.limit, row.limit), itl_misses=(base.itl_misses, row.itl_misses),
+        ttft_misses=(base.ttft_misses, row.ttft_misses), capacity_change=_capacity(base, row),
+        ttft_p50_ms=_ttft(base, row), open_above=tuple(s.label for s in (row, base) if s.bound == "lower"
+                                                         and s.open_above),
+        open_below=tuple(s.label for s in (row, base) if s.open_below), who=_who(kind, base, row))

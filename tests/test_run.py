@@ -201,4 +201,4 @@ def test_goodput_by_search_with_repeats_and_a_relative_slo(tmp_path):
     seeds = {x["repeat"]: x["prompt_ids"] for x in reqs if x["rate"] == "inf" and not x.get("warmup")}
     assert seeds[0] != seeds[1]  # distinct requests per repeat
     c = pdlab("compare", out)
-    assert c.returncode == 0 and "rates tried per repeat" in c.stdout, c.stderr
+    assert c.returncode == 0 and "rates tried by each search" in c.stdout, c.stderr

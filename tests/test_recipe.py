@@ -120,7 +120,7 @@ def test_variants_selection():
     (["variants.disagg.deployment.mode=write"], "deployment.mode: expected pull or push"),
     (["variants.disagg.deployment.decode.devices=[cpu:0]"], "overlap on cpu:0"),
     (["variants.disagg.deployment.decode.replicas=0"], "decode.replicas: expected an integer >= 1"),
-    (["variants.disagg.deployment.transport=cuda-ipc"], "cuda-ipc needs cuda devices"),
+    (["variants.disagg.deployment.transport=cuda-ipc"], "cuda-ipc does not move cpu pools"),
     (["variants.unified.deployment.unified.devices=[gpu:0]"], "bad device spec 'gpu:0'"),
     (["variants.unified.deployment.unified.devices=[cpu:0-2]"], "cannot be split evenly"),
     (["variants.unified.workload={requests: 3}"], "variants.unified.workload: a variant may override only"),

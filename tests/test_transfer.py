@@ -125,7 +125,8 @@ def test_push_copier_reports_a_step_that_never_ran():
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_ipc_and_host_in_process():
-    from pdlab.kv.cuda_ipc import CudaIpcTransport, HostTransport
+    from pdlab.kv.cuda_ipc import CudaIpcTransport
+    from pdlab.kv.host import HostTransport
 
     t = CudaIpcTransport("p", "cuda:0", [0])
     pool = t.kv_alloc(SHAPE, torch.float16)

@@ -1,4 +1,5 @@
-"""GPU transports: `cuda-ipc` (pools shared through CUDA IPC handles) and `host` (pinned shared mirrors).
+"""The GPU transport `cuda-ipc`: pools shared through CUDA IPC handles (`host`, pinned shared mirrors that
+work between any two workers, is pdlab.kv.host).
 
 cuda-ipc: the pool's storage is exported at start-up with torch's own IPC reduction, but the handle
 travels as plain data (bytes and ints, msgpack), never pickled. Each export carries its own slot in
@@ -11,13 +12,6 @@ own; handles carry the GPU's CUDA_VISIBLE_DEVICES *entry* (index, UUID or MIG) a
 local index. Two different GPUs must have peer access (checked by pdlab.serve.topology before start):
 without it CUDA stages the copy through the host, unordered against the peer's streams. On one GPU the
 decode side's blocks are idle when reserved, since every engine step ends with a synchronize.
-
-host: each worker's GPU pool has a mirror of the same shape in pinned shared host memory (/dev/shm,
-registered with cudaHostRegister). Peers read/write mirrors like shm pools; the owner stages its blocks
-D2H (`stage_out`, pull) or H2D (`stage_in`, push), in pieces contiguous on both sides (a DMA each, no
-pageable temporary: pdlab.kv.transfer.host_device_pieces). It still costs host memory equal to the pool
-(a bounded staging area would need mirror slots in the hand-over messages: not done), and works between
-GPUs without peer access.
 """
 
 from __future__ import annotations
@@ -26,8 +20,7 @@ from typing import Sequence
 
 import torch
 
-from pdlab.kv import shm
-from pdlab.kv.transfer import Transport, copy_blocks
+from pdlab.kv.transfer import Transport
 
 
 def _entry(visible: list[str], local: int) -> str:
@@ -94,58 +87,3 @@ def own_handle(h: dict, worker: str) -> dict:
     if worker not in h["per_peer"]:
         raise RuntimeError(f"{worker}: {h['name']} was exported for {sorted(h['per_peer'])}, not for this worker")
     return {**h["per_peer"][worker], "name": h["name"]}
-
-
-class HostTransport(Transport):
-    name = "host"
-
-    def __init__(self, worker: str, device: str, segment_name: str):
-        super().__init__(worker)
-        self.device = torch.device(device)
-        self.segment_name = segment_name
-        self.mirror: shm.ShmTensor | None = None
-
-    def kv_alloc(self, shape: Sequence[int], dtype: torch.dtype, device: object = None) -> torch.Tensor:
-        self.pool = torch.zeros(tuple(shape), dtype=dtype, device=self.device)
-        self.mirror = shm.create(shape, dtype, name=self.segment_name)
-        _pin(self.mirror.tensor)
-        return self.pool
-
-    def export(self) -> dict:
-        assert self.mirror is not None, "pool not allocated yet"
-        m = self.mirror
-        return {"kind": "host", "name": m.name, "shape": list(m.shape), "dtype": str(m.dtype).split(".")[-1]}
-
-    def _open(self, h: dict) -> torch.Tensor:
-        t = shm.attach(h["name"], h["shape"], getattr(torch, h["dtype"])).tensor
-        _pin(t)
-        return t
-
-    def exchange(self) -> torch.Tensor:
-        assert self.mirror is not None
-        return self.mirror.tensor
-
-    def stage_out(self, blocks: Sequence[int]) -> None:
-        assert self.pool is not None and self.mirror is not None
-        copy_blocks(self.pool, blocks, self.mirror.tensor, blocks, non_blocking=True)
-        self.sync()
-
-    def stage_in(self, blocks: Sequence[int]) -> None:
-        assert self.pool is not None and self.mirror is not None
-        copy_blocks(self.mirror.tensor, blocks, self.pool, blocks, non_blocking=True)
-        self.sync()
-
-    def sync(self) -> None:
-        torch.cuda.synchronize(self.device)
-
-    def close(self) -> None:
-        super().close()
-        if self.mirror is not None:
-            self.mirror.unlink()
-
-
-def _pin(t: torch.Tensor) -> None:
-    """Page-lock a shared host buffer in place so H2D/D2H copies run at DMA speed."""
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(err) != 0:
-        raise RuntimeError(f"cudaHostRegister failed ({err}): the host transport needs pinnable memory")

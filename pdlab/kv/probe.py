@@ -120,12 +120,12 @@ def probe_cuda(shape: tuple[int, ...], repeats: int = 20, scattered: bool = Fals
 
 def _probe_host(src: torch.Tensor, dst_shape: tuple[int, ...], dtype: torch.dtype, scattered: bool,
                 repeats: int) -> ProbeResult:
-    from pdlab.kv.cuda_ipc import _pin
+    from pdlab.kv.host import pin
 
     mirror = shm.create(dst_shape, dtype, tag="probe-host")
     try:
         try:
-            _pin(mirror.tensor)
+            pin(mirror.tensor)
             note = "D2H into pinned shared memory, then H2D"
         except RuntimeError as e:
             note = f"FALLBACK: pageable memory, slower ({e})"

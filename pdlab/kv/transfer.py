@@ -6,7 +6,8 @@ pool is opened once through a transport-specific handle exchanged at start-up:
 
 - `shm`      CPU pools live in /dev/shm; the peer maps the segment (pdlab.kv.shm).
 - `cuda-ipc` GPU pools exported with CUDA IPC handles; a device or peer copy (pdlab.kv.cuda_ipc).
-- `host`     GPU pools, each with a pinned shared host mirror; the GPU side stages D2H / H2D.
+- `host`     private pools, each with a shared host mirror; the owner stages blocks between them (D2H / H2D
+             on GPUs, a copy on CPU; pdlab.kv.host).
 - `nixl`     pools registered with a NIXL agent; the peer READs / WRITEs them over UCX (pdlab.kv.nixl).
 
 Modes: `pull` - the decode worker reads the prefill pool after prefill finished; `push` - the prefill
@@ -22,7 +23,7 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
-from pdlab.constants import GPU_TRANSPORTS, TRANSPORTS_AVAILABLE
+from pdlab.constants import TRANSPORTS
 from pdlab.kv import shm
 
 
@@ -239,13 +240,15 @@ def make_transport(name: str, worker: str, run_prefix: str, device: str = "cpu",
                              device, o.get("timeout_s", 30.0))
     if name == "shm":
         return ShmTransport(worker, f"{run_prefix}{worker}-kv")
-    if name in GPU_TRANSPORTS:
-        from pdlab.kv.cuda_ipc import CudaIpcTransport, HostTransport
+    if name == "host":
+        from pdlab.kv.host import HostTransport
 
-        if name == "cuda-ipc":
-            return CudaIpcTransport(worker, device, visible, (options or {}).get("peers", ()))
         return HostTransport(worker, device, f"{run_prefix}{worker}-host")
-    raise ValueError(f"transport {name!r} is not available here (known: {', '.join(TRANSPORTS_AVAILABLE)})")
+    if name == "cuda-ipc":
+        from pdlab.kv.cuda_ipc import CudaIpcTransport
+
+        return CudaIpcTransport(worker, device, visible, (options or {}).get("peers", ()))
+    raise ValueError(f"transport {name!r} is not available here (known: {', '.join(TRANSPORTS)})")
 
 
 def timed_copy(src_pool: torch.Tensor, src_blocks: Sequence[int], dst_pool: torch.Tensor,

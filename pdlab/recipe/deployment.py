@@ -25,9 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from pdlab.constants import (DEPLOYMENT_KINDS, ENDPOINT_KINDS, FIRST_TOKEN_FROM, GPU_TRANSPORTS, MODES, REMOTE_PREFILL_MIN_TOKENS,
+from pdlab.constants import (DEPLOYMENT_KINDS, ENDPOINT_KINDS, FIRST_TOKEN_FROM, MODES, REMOTE_PREFILL_MIN_TOKENS,
                              STEP_TIMEOUT_S, TP_TRANSPORTS, TRANSFER_FAILURE_POLICIES, TRANSFER_FAILURE_POLICY,
-                             TRANSFER_TIMEOUT_S, TRANSPORTS)
+                             TRANSFER_TIMEOUT_S, TRANSPORT_DEVICES, TRANSPORTS)
 from pdlab.devices import format_devices, overlaps, parse_devices
 from pdlab.fields import (RecipeError, Section, as_mapping, key_of, one_of, optional, section, spec, to_bool,
                           to_float, to_int, to_text)
@@ -247,10 +247,10 @@ class Deployment(Section):
         if self.disaggregated:
             kind = kinds[0]
             transport = transport or ("shm" if kind == "cpu" else "cuda-ipc")
-            if kind == "cpu" and transport in GPU_TRANSPORTS:
-                raise RecipeError(f"{where}.transport: {transport} needs cuda devices; use shm on cpu")
-            if kind == "cuda" and transport == "shm":
-                raise RecipeError(f"{where}.transport: shm moves CPU pools; GPU workers need cuda-ipc or host")
+            if kind not in TRANSPORT_DEVICES[transport]:
+                fit = [t for t, kinds_ in TRANSPORT_DEVICES.items() if kind in kinds_]
+                raise RecipeError(f"{where}.transport: {transport} does not move {kind} pools; use "
+                                  f"{' or '.join(fit)}")
             if transport == "nixl" and nixl_module() is None:
                 raise RecipeError(f"{where}.transport: nixl needs the optional extra, not installed here: "
                                   f"{INSTALL_HINT}")

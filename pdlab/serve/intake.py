@@ -172,6 +172,8 @@ class KvIntake:
             return self._failed(lease, f"{self.w.name}: refused a bad hand-over notice for {landing.req_id}: it names "
                                        f"blocks {list(landing.blocks)[:8]}, the lease holds {list(want)[:8]}")
         del self.leases[landing.req_id]
+        if not isinstance(lease.msg, m.Pull):  # push: the prefill worker wrote our exchange area (host: the mirror)
+            self.h.transport.stage_in(landing.blocks)
         self.h._start_decoding(landing.req_id, landing.first_token, landing.record)
 
     def _failed(self, lease: Lease, reason: str) -> None:

@@ -165,3 +165,22 @@ def test_a_worker_reports_its_kernels_in_ready():
     assert set(kernels) == set(CPU_KERNELS)
     for k in kernels.values():
         assert k["why"] in ("faster here", "slower here") or k["why"].startswith(("on (", "does not apply")), k
+
+
+def test_compare_says_which_kernels_each_variant_ran(tmp_path):
+    """summary.json's `kernels` (KernelLog.facts) becomes one header line per set of kernels."""
+    import report_runs as rr
+    from pdlab.measure.records import load_run
+    from pdlab.report.compare import compare
+    from pdlab.report.tables import header
+
+    path = rr.make(tmp_path / "run", {"unified": rr.variant(rr.UNIFIED, {}), "pd": rr.variant(rr.DISAGG, {})})
+    summary = json.load(open(os.path.join(path, "summary.json")))
+    slower = choices(prefill_attention="slower here")
+    summary["kernels"] = {"unified": {"workers": {"unified0": slower}, "describe": describe({"unified0": slower})},
+                          "pd": {"workers": {"prefill0": slower, "decode0": slower},
+                                 "describe": describe({"prefill0": slower, "decode0": slower})}}
+    json.dump(summary, open(os.path.join(path, "summary.json"), "w"))
+    lines = [x.text for x in header(compare([load_run(path)]))]
+    want = "CPU kernels of unified, pd: 4 of 5 CPU kernels; torch for prefill_attention (slower here: 1 vs 2 ms)"
+    assert want in lines, lines

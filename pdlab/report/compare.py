@@ -121,6 +121,9 @@ def _about(runs: list[LoadedRun]) -> dict:
                     for lr in runs if lr.summary["partial"]],
         "slo": runs[0].summary["slo"],
         "modelled": {("" if one else f"{lr.name}/") + v: d for lr in runs for v, d in lr.summary["modelled"].items()},
+        # variant -> one line: the CPU kernels its workers ran (pdlab.measure.kernels)
+        "kernels": {("" if one else f"{lr.name}/") + v: k["describe"] for lr in runs
+                    for v, k in lr.summary["kernels"].items()},
         "box": [("" if one else f"{lr.name}: ") + x for lr in runs for x in _box(lr)],
         "warnings": [("" if one else f"{lr.name}: ") + w for lr in runs for w in lr.summary["warnings"]
                      if w not in _box(lr)]

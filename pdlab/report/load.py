@@ -26,7 +26,7 @@ from pdlab.recipe import SLO, Recipe, Variant, parse_recipe
 # what a summary written by an older pdlab, or cut short, lacks at the top level
 SUMMARY_DEFAULTS = {"schema_version": 1, "run": None, "box": None, "definitions": {}, "slo": None, "relative": None,
                     "alone": None, "alone_by_variant": {}, "repeats": 0, "partial": False, "reason": None,
-                    "warnings": [], "modelled": {}, "variants": {}}
+                    "warnings": [], "modelled": {}, "variants": {}, "kernels": {}}
 NO_SUMMARY = "no summary was written (the run was killed, or is still going): recomputed from the records"
 
 

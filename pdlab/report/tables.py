@@ -66,6 +66,10 @@ def header(result: dict) -> list[Line]:
         facts = [f"recipe {run['recipe'] or '?'}", f"{run['started'] or '?'} → {run['ended'] or '?'}",
                  f"CPU {run['cpu_model'] or '?'}", f"summary schema {run['schema_version']}"]
         out.append(Line("info", f"{run['name']}: " + ", ".join(facts) + (", simulated" if run["simulated"] else "")))
+    kernels: dict[str, list[str]] = {}  # one line per set of kernels, naming the variants that ran it
+    for label, what in result["kernels"].items():
+        kernels.setdefault(what, []).append(label)
+    out += [Line("info", f"CPU kernels of {', '.join(labels)}: {what}") for what, labels in kernels.items()]
     if result["plan"]:
         p = result["plan"]
         best = ", ".join(f"{r['candidate']} {_f(r['goodput']['mean'], '{:.2f}')}" for r in p["ranking"][:3])

@@ -81,6 +81,25 @@ def test_disaggregated_hands_over_and_matches_unified_tokens():
         assert ph["transfer_end"] == pytest.approx(ph["admitted"]) and x["decode_worker"] == "decode0"
 
 
+def test_the_simulators_tokens_come_from_the_kv_it_hands_over(monkeypatch):
+    """The simulator copies a request's blocks between its engines' pools when a hand-over lands, and the
+    decode engine samples from what it holds (pdlab.engine.timed): without the copy, tokens change."""
+    r = recipe({"pull": PULL, "push": PUSH}, workload={"requests": 6, "input_len": {"kind": "fixed", "value": 40},
+                                                      "output_len": {"kind": "fixed", "value": 4}})
+    reqs = build_requests(r.resolved("pull").workload, 2.0, seed=0, vocab_size=512)
+
+    def tokens(name):
+        v = r.resolved(name)
+        return {x["id"]: x["output_ids"] for x in Simulator(v, v.slo).run(reqs, 2.0)[0]}
+
+    right = {n: tokens(n) for n in ("pull", "push")}
+    assert right["pull"] == right["push"]
+    monkeypatch.setattr("pdlab.sim.simulator.copy_blocks", lambda *a, **k: 0)
+    for name in ("pull", "push"):
+        wrong = tokens(name)
+        assert all(wrong[i][0] == right[name][i][0] and wrong[i][1:] != right[name][i][1:] for i in wrong)
+
+
 def test_a_recipe_simulates_with_search_repeats_and_a_relative_slo():
     r = recipe({"u": UNIFIED, "push": PUSH}, rates="auto", repeats=2, search={"max_trials": 4},
                slo={"ttft": "5x", "itl": "5x", "itl_stat": "max"})

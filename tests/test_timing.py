@@ -1,7 +1,7 @@
 """A modelled timing (model.timing): it parses like every other section (inline, a profile file, a shipped
-profile), and an engine given one does not run the model: each step takes its modelled time, tokens are
-deterministic and agree across roles, the pool is sized as the modelled device's, and KV hand-overs take
-the modelled transfer time."""
+profile), and an engine given one does not run the model: each step takes at least its modelled time,
+tokens are deterministic (and agree across a hand-over only when it moved the KV: tests/test_timed_kv.py),
+the pool is sized as the modelled device's, and KV hand-overs take at least the modelled transfer time."""
 
 import math
 import time
@@ -11,16 +11,13 @@ import torch
 import yaml
 
 from engine_helpers import model, prompts, run
-from pdlab.engine import Engine, EngineConfig, SamplingParams
+from pdlab.engine import Engine, EngineConfig
 from pdlab.engine.model import load_stand_in
 from pdlab.engine.timed import step_counts, wait_until
 from pdlab.kv.modelled import modelled_copy
 from pdlab.recipe import (ModelSpec, RecipeError, StepTiming, TimingProfile, TransferTiming, dump_recipe,
                           load_profile, parse_recipe)
 from pdlab.serve.worker import WorkerSpec
-
-TOL_S = 0.005  # a step ends no earlier than its model and, at the median, less than this after it
-
 
 def model_err(timing) -> str:
     with pytest.raises(RecipeError) as e:
@@ -159,40 +156,19 @@ def stand_in():
 
 
 def test_a_timed_engine_runs_no_model_and_keeps_its_modelled_time():
-    for _ in range(5):  # a loaded box delays a wake-up now and then: judge the median step, retry rarely
-        eng = Engine(stand_in(), cfg(), step_timing=TIMING)
-        outs, records = run(eng, prompts([40, 40], seed=11), max_tokens=8)
-        eng.check_idle()
-        want = [TIMING.step_s(r.prefill_tokens, r.decode_seqs, 0) for r in records]
-        took = [r.end - r.start for r in records]
-        assert all(t >= w for t, w in zip(took, want)), (took, want)  # never before the model
-        assert [r.prefill_tokens for r in records[:1]] == [80] and want[0] == pytest.approx(0.045)
-        assert all(r.decode_seqs == 2 for r in records[1:]) and len(records) == 8
-        over = sorted(t - w for t, w in zip(took, want))
-        if over[len(over) // 2] < TOL_S:
-            break
-    else:
-        raise AssertionError(f"median step over its model by {over[len(over) // 2] * 1e3:.1f} ms")
+    """Every step lasts at least its modelled time (how much later a loaded box wakes it is not a property
+    of the engine: benchmarks/bench_harness_timing.py measures that overshoot)."""
+    eng = Engine(stand_in(), cfg(), step_timing=TIMING)
+    outs, records = run(eng, prompts([40, 40], seed=11), max_tokens=8)
+    eng.check_idle()
+    want = [TIMING.step_s(r.prefill_tokens, r.decode_seqs, 0) for r in records]
+    took = [r.end - r.start for r in records]
+    assert all(t >= w for t, w in zip(took, want)), (took, want)  # never before the model
+    assert [r.prefill_tokens for r in records[:1]] == [80] and want[0] == pytest.approx(0.045)
+    assert all(r.decode_seqs == 2 for r in records[1:]) and len(records) == 8
     assert all(len(v) == 8 and all(10 <= t < 512 for t in v) for v in outs.values())
     again, _ = run(Engine(stand_in(), cfg(), step_timing=TIMING), prompts([40, 40], seed=11), max_tokens=8)
     assert again == outs  # deterministic
-
-
-def test_timed_tokens_agree_across_a_hand_over():
-    """Prefill on one engine, decode on another (as disaggregated workers do): the same tokens as unified."""
-    t = inline(fixed_ms=0.1)
-    p = prompts([30], seed=5)[0]
-    unified, _ = run(Engine(stand_in(), cfg(), step_timing=t), [p], max_tokens=6)
-    pre = Engine(stand_in(), cfg(), role="prefill", step_timing=t)
-    pre.add("r", p, SamplingParams(max_tokens=6, ignore_eos=True))
-    first = pre.step().tokens[0].token_id
-    dec = Engine(stand_in(), cfg(), role="decode", step_timing=t)
-    assert dec.reserve("r", p, first, SamplingParams(max_tokens=6, ignore_eos=True)) is not None
-    dec.admit("r", first)
-    toks = [first]
-    while dec.has_work():
-        toks += [o.token_id for o in dec.step().tokens]
-    assert toks == unified["0"]
 
 
 def test_layer_hooks_fire_as_the_modelled_step_progresses():
@@ -230,15 +206,13 @@ def test_a_timing_must_have_step_s():
         Engine(stand_in(), cfg(), step_timing=5)
 
 
-def test_wait_until_is_precise():
+def test_wait_until_never_returns_early():
+    """It returns at or after the deadline (its overshoot on a busy box: benchmarks/bench_harness_timing.py)."""
     for wait in (0.0005, 0.003, 0.012):
-        over = []
-        for _ in range(15):
+        for spin in (0.0, 0.0005):
             deadline = time.monotonic() + wait
-            seen = wait_until(deadline)
+            seen = wait_until(deadline, spin_s=spin)
             assert deadline <= seen <= time.monotonic()
-            over.append(seen - deadline)
-        assert sorted(over)[len(over) // 2] < 0.002, over  # rare stalls of the box aside
     assert wait_until(time.monotonic() - 1) <= time.monotonic()  # past: returns at once
 
 

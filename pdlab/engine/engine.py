@@ -107,7 +107,7 @@ class Engine:
         self.scheduler = Scheduler(config, self.blocks)
         self.runner: Any = (ModelRunner(model, self.kv, config.block_size) if step_timing is None else
                             TimedRunner(step_timing, dims["layers"], dims["vocab_size"], self.eos_ids,
-                                        wait=getattr(clock, "advance_to", None)))
+                                        wait=getattr(clock, "advance_to", None), kv=self.kv))
         self.tp_channel = tp_channel
         self.seqs: dict[str, Sequence] = {}
         self._current: list[tuple[str, int, int]] = []

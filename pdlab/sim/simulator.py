@@ -9,7 +9,9 @@ its next step (when it is free and has work). A step's tokens are stamped at its
 them. Placement follows pdlab.serve.router: unified and prefill workers by least load (requests held),
 decode workers by most free KV blocks less the hand-overs already heading there; push reserves the decode
 blocks before prefill. A pull hand-over lands latency + bytes / bandwidth after the prefill step ends; a
-push overlaps the prefill step layer by layer and lands the last layer's share after it.
+push overlaps the prefill step layer by layer and lands the last layer's share after it. When it lands, the
+request's blocks are copied from the prefill engine's pool into the decode engine's (the timed pools are
+tiny), so the decode side samples from the KV it holds, as a decode worker does (pdlab.engine.timed).
 
 Everything it produces is modelled: it runs no model and measures nothing.
 """
@@ -23,6 +25,7 @@ from typing import Any, Optional
 
 from pdlab.engine import Engine, SamplingParams
 from pdlab.engine.model import load_stand_in
+from pdlab.kv.transfer import copy_blocks
 from pdlab.measure.metrics import build_request_record
 from pdlab.recipe import SLO, Variant
 from pdlab.workload import WorkloadRequest
@@ -64,6 +67,7 @@ class _Req:
     first: Optional[int] = None
     cached: int = 0
     reservation: Any = None
+    src_blocks: list = field(default_factory=list)  # the prompt's blocks in the prefill engine's pool
 
 
 class Simulator:
@@ -172,11 +176,12 @@ class Simulator:
                 self._waiting_room.append(rid)
                 self._reserve_waiting(now)
         elif kind == "land":  # the KV is in the decode pool
-            d = self.workers[r.decode]
+            d, p = self.workers[r.decode], self.workers[r.prefill]
+            skip = r.reservation.cached_blocks  # held by decode's prefix cache: not sent
+            copy_blocks(p.engine.kv, r.src_blocks[skip:], d.engine.kv, r.reservation.block_ids[skip:])
             d.clock.advance_to(now)
             d.engine.admit(rid, r.first)
             r.phases["admitted"] = now
-            p = self.workers[r.prefill]
             p.engine.release(rid)
             p.holds.discard(rid)
             if self.first_token == "decode":
@@ -262,7 +267,7 @@ class Simulator:
     def _handoff(self, r: _Req, p: _Worker, record: Any, end: float) -> None:
         info = p.engine.handoff(r.wr.id)
         seq_cached = p.engine.sequence(r.wr.id).num_cached
-        r.first, r.cached = info.first_token, seq_cached
+        r.first, r.cached, r.src_blocks = info.first_token, seq_cached, info.block_ids
         r.phases.update(prefill_start=p.engine.sequence(r.wr.id).t_first_scheduled, prefill_end=end)
         if self.first_token == "prefill":
             self._token(r, info.first_token, end)

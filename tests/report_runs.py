@@ -56,7 +56,8 @@ def _records(name: str, v: dict, rate: float, repeat: int, t0: float) -> tuple[l
         bad = k >= N - failed
         reqs.append(build_request_record(variant=name, rate=rate, id=str(k), prompt_ids=[3] * 20,
                                          output_ids=[] if bad else [4] * 3, arrival=a, token_times=[] if bad else times,
-                                         slo=SLO_, workers=workers, repeat=repeat, error="worker died" if bad else None))
+                                         slo=SLO_, workers=workers, repeat=repeat,
+                                         error="worker died" if bad else None))
     return reqs, steps
 
 

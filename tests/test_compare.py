@@ -254,7 +254,8 @@ def test_the_box_is_flagged_in_the_summary_and_compare(tmp_path):
                expect={"alone_ttft_ms": 190})
     box = json.load(open(os.path.join(run, "summary.json")))["box"]
     assert box["alone"]["ratio"] == pytest.approx(1864 / 190)
-    assert box["over_saturation"] == [{"variant": "budget-2048", "rate": 1.0, "capacity_rps": pytest.approx(1000 / 1864),
+    assert box["over_saturation"] == [{"variant": "budget-2048", "rate": 1.0,
+                                       "capacity_rps": pytest.approx(1000 / 1864),
                                        "source": "1 prefill worker(s) at 1864 ms per request alone",
                                        "modelled": False}]
     assert len(box["lines"]) == 2

@@ -11,7 +11,7 @@ from pdlab.measure.records import RunDir, load_run
 from pdlab.measure.search import RateSearch
 from pdlab.measure.summary import summarize_run
 from pdlab.report.compare import compare
-from pdlab.report.load import from_run, load
+from pdlab.report.load import load
 from report_runs import DISAGG, UNIFIED, make, variant
 from test_compare import DEPS, SLO, make_run
 
@@ -164,8 +164,8 @@ def test_grid_run_plots_one_marker_per_variant_side_by_side_with_the_legend_off_
     assert min(s["start"] for s in steps) >= t0  # nothing at negative time
     top = figs["itl_timeline.png"].axes[0]
     assert len(top.patches) == 3  # the shaded prefill steps
-    assert "prefill interruptions at 2 req/s, the one repeat: 3\n(compare's count, all repeats and finite rates: 3)" in [
-        t.get_text() for t in top.get_legend().get_texts()]
+    labels = [t.get_text() for t in top.get_legend().get_texts()]
+    assert "prefill interruptions at 2 req/s, the one repeat: 3\n(compare's count, all repeats and finite rates: 3)" in labels
 
 
 def test_per_repeat_counts_say_which_repeat_and_what_compare_counts(tmp_path):

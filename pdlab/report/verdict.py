@@ -85,7 +85,8 @@ class Verdict:
     def to_dict(self) -> dict:
         b, c = self.baseline, self.candidate
         return {"baseline": b, "candidate": c, "kind": self.kind, "timing": self.timing, "outcome": self.outcome,
-                "cross_engine": self.cross_engine, "engines": {"baseline": self.engines[0], "candidate": self.engines[1]},
+                "cross_engine": self.cross_engine,
+                "engines": {"baseline": self.engines[0], "candidate": self.engines[1]},
                 "reason": self.reason, "goodput": {"baseline": self.goodput[0], "candidate": self.goodput[1]},
                 "ratio": self.ratio, "ratio_bound": self.ratio_bound, "separated": self.separated,
                 "repeats": self.repeats, "limits": {"baseline": self.limits[0], "candidate": self.limits[1]},

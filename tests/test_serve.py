@@ -70,6 +70,16 @@ def test_a_port_in_use_is_one_line_before_any_worker_starts(tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_only_loopback_goes_without_a_warning():
+    from pdlab.api.serving import host_warning
+
+    for host in ("127.0.0.1", "::1", "localhost", "127.0.0.2"):
+        assert host_warning(host, None, "PDLAB_API_KEY") is None
+    assert "no API key: give --api-key or $PDLAB_API_KEY" in host_warning("0.0.0.0", None, "PDLAB_API_KEY")
+    assert "not loopback" in host_warning("10.1.2.3", "k", "PDLAB_API_KEY") and "no API key" not in \
+        host_warning("10.1.2.3", "k", "PDLAB_API_KEY")
+
+
 # ---- served, with workers ----
 def descendants(pid: int) -> set[int]:
     kids: dict[int, list[int]] = {}
@@ -207,13 +217,17 @@ def test_served_tokens_are_the_engines_and_sigterm_drains(tmp_path, variant):
 
 
 @pytest.mark.slow
-def test_no_drain_cancels_what_runs_and_leaves_nothing(tmp_path):
-    s = Served(tmp_path, "disagg", "--no-drain")
+@pytest.mark.parametrize("flags, sig", [(("--no-drain",), signal.SIGINT), (("--shutdown-timeout", "0.5"), signal.SIGTERM)])
+def test_cancelled_at_shutdown_what_runs_ends_and_nothing_is_left(tmp_path, flags, sig):
+    """--no-drain cancels at once; a drain that outlasts --shutdown-timeout cancels what is left. The API key
+    comes from the environment here: every route but /health needs it."""
+    s = Served(tmp_path, "disagg", *flags, env={"PDLAB_API_KEY": KEY})
     try:
+        assert s.request("/v1/models", key=None)[0] == 401 and s.request("/health", key=None)[0] == 200
         long: list = []
-        t = stream_in_thread(s, {"prompt": eh.prompts([30], seed=4)[0], "max_tokens": 400, "ignore_eos": True,
+        t = stream_in_thread(s, {"prompt": eh.prompts([30], seed=4)[0], "max_tokens": 450, "ignore_eos": True,
                                  "stream": True}, long)
-        code, stdout, stderr = s.stop(signal.SIGINT)
+        code, stdout, stderr = s.stop(sig)
         t.join(60)
     finally:
         if s.proc.poll() is None:
@@ -224,7 +238,8 @@ def test_no_drain_cancels_what_runs_and_leaves_nothing(tmp_path):
     assert status == 200 and events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "cancelled"
     s.nothing_left()
     (rec,) = [json.loads(line) for line in open(s.out / "requests.jsonl")]
-    assert not rec["ok"] and rec["error"].startswith("cancelled") and rec["output_len"] < 400
+    assert not rec["ok"] and rec["error"].startswith("cancelled") and rec["output_len"] < 450
+    assert not any(KEY in p.read_text(errors="replace") for p in s.out.rglob("*") if p.is_file())
 
 
 @pytest.mark.slow

@@ -50,6 +50,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_warning(host: str, api_key: Optional[str], key_env: str) -> Optional[str]:
+    """What to say when the server listens beyond loopback."""
+    if is_loopback(host):
+        return None
+    return (f"--host {host} is not loopback: anyone who can reach this machine can use the server"
+            + ("" if api_key else f" (no API key: give --api-key or ${key_env})"))
+
+
 def bind(host: str, port: int) -> socket.socket:
     try:
         family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,

@@ -64,7 +64,7 @@ def _main(recipe_path: str, variant: str, host: str, port: int, sets: list[str],
     from pdlab.api.ledger import Ledger
     from pdlab.api.metrics import ServeMetrics
     from pdlab.api.model import load_served_model
-    from pdlab.api.serving import BindError, ServeOptions, bind, is_loopback, serve, url_of
+    from pdlab.api.serving import BindError, ServeOptions, bind, host_warning, serve, url_of
     from pdlab.commands.run import place_main_process
     from pdlab.constants import API_KEY_ENV, SERVE_BACKENDS
     from pdlab.engine.model import ModelLoadError
@@ -102,10 +102,8 @@ def _main(recipe_path: str, variant: str, host: str, port: int, sets: list[str],
         sock = bind(host, port)
     except BindError as e:
         return _err(str(e))
-    warnings = []
-    if not is_loopback(host):
-        warnings.append(f"--host {host} is not loopback: anyone who can reach this machine can use the server"
-                        + ("" if key else " (no API key: give --api-key or $" + API_KEY_ENV + ")"))
+    warning = host_warning(host, key, API_KEY_ENV)
+    warnings = [warning] if warning else []
     for w in warnings:
         print(f"pdlab serve: warning: {w}", file=sys.stderr, flush=True)
     cores, placed = place_main_process(recipe)

@@ -15,7 +15,6 @@ worker, which ends the run as a dead pdlab worker does, with partial results.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import tempfile
@@ -149,7 +148,5 @@ class EndpointCluster(ClientCluster):
             if e.connection:
                 self.dead = self.scrub(f"endpoint {self.name} ({self.backend.url}) stopped answering: "
                                        f"{str(e).split(': ', 1)[-1]}")
-        except asyncio.CancelledError:
-            raise
         finally:
             self._checking = False

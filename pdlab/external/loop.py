@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import resource
 import threading
 from typing import Any, Coroutine, Optional
 
@@ -23,6 +24,7 @@ import aiohttp
 from pdlab.constants import CLIENT_CONNECT_TIMEOUT_S
 
 CLOSE_GRACE_S = 5.0
+OPEN_FILES = 65536  # a socket per stream: the soft limit (often 1024) is raised towards this, up to the hard one
 
 
 class ClientLoop:
@@ -39,6 +41,7 @@ class ClientLoop:
     def start(self) -> None:
         if self._thread is not None:
             return
+        raise_open_files()
         self._thread = threading.Thread(target=self._main, name=f"pdlab-client-{self.name}", daemon=True)
         self._thread.start()
         self._ready.wait()
@@ -102,3 +105,14 @@ class ClientLoop:
         await asyncio.gather(*tasks, return_exceptions=True)
         if self.session is not None:
             await self.session.close()
+
+
+def raise_open_files(want: int = OPEN_FILES) -> None:
+    """Let this process hold a socket for each of many concurrent streams (and its other files)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            pass  # the limit stays: streams beyond it fail with a clear "Too many open files"

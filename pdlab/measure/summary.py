@@ -29,6 +29,7 @@ from pdlab.measure.confidence import estimate
 from pdlab.measure.metrics import as_rate, summarize_rate
 from pdlab.measure.search import goodput_of
 from pdlab.recipe.slo import SLO
+from pdlab.traces.report import trace_summary
 from pdlab.workload import rate_tag
 
 LAG_WARN = 0.05  # delivery lag p99 above this fraction of the ITL target: warn
@@ -143,7 +144,7 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                   prefill_workers: Optional[dict[str, int]] = None,
                   floors: Optional[dict[tuple[str, int], float]] = None, warnings: Optional[list[str]] = None,
                   modelled: Optional[dict[str, str]] = None, expect: Any = None,
-                  run: Optional[dict] = None,
+                  run: Optional[dict] = None, trace: Optional[dict[str, dict]] = None,
                   kernels: Optional[dict[str, dict]] = None) -> dict:
     """The summary of a run. `grid`: variant -> planned rates or "auto" (variants in run order; one that has no
     records is listed with `ran: false`); default: the variants found in the records. `alone`: the
@@ -223,6 +224,8 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
             "confidence": "mean and 95% Student-t interval over repeats",
             "percentiles": "numpy linear interpolation", "latency_unit": "ms", "partial": bool(partial),
             "reason": reason, "warnings": warn, "modelled": dict(modelled or {}), "variants": variants,
+            # a trace workload: what it was (variant -> pdlab.traces Replay.facts) beside what was measured of it
+            "trace": trace_summary(trace or {}, requests),
             # variant -> {workers: worker -> kernel -> choice, describe: one line} (pdlab.measure.kernels)
             "kernels": dict(kernels or {})}
 

@@ -20,6 +20,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
+from pdlab.constants import TRACE_RATE
 from pdlab.engine.config import EngineConfig
 from pdlab.fields import (RecipeError, Section, check_keys, did_you_mean, key_of, plain, section, spec, to_bool,
                           to_float, to_int, to_text)
@@ -28,13 +29,13 @@ from pdlab.recipe.deployment import DISAGG_ONLY, Deployment
 from pdlab.recipe.expect import Expect
 from pdlab.recipe.model import ModelSpec
 from pdlab.recipe.slo import DEFAULT_ITL_MS, DEFAULT_TTFT_MS, SLO
-from pdlab.recipe.workload import WorkloadSpec
+from pdlab.recipe.workload import WorkloadSpec, trace_rates
 
 VARIANT_KEYS = ("deployment", "engine", "model", "description")
 TOP_KEYS = ("name", "description", "seed", "warmup", "model", "engine", "workload", "rates", "search", "repeats",
             "slo", "simulate", "expect", "deployment", "variants")
 RATES_FORM = ("auto (goodput found by search) or a list of request rates > 0 (req/s), inf for all-at-once, "
-              "e.g. [1, 2, 4, .inf]")
+              f"{TRACE_RATE} for a workload.trace at its own pace, e.g. [1, 2, 4, .inf]")
 AUTO = "auto"
 
 
@@ -103,6 +104,9 @@ def parse_rates(v: Any, where: str) -> Union[str, tuple[float, ...]]:
     for i, r in enumerate(v):
         if isinstance(r, str) and r.strip().lower() in ("inf", "+inf", ".inf", "infinity"):
             r = math.inf
+        if r == TRACE_RATE and TRACE_RATE not in out:  # resolved to a number by parse_recipe (trace_rates)
+            out.append(TRACE_RATE)
+            continue
         if isinstance(r, bool) or not isinstance(r, (int, float)) or math.isnan(r) or r <= 0:
             raise RecipeError(f"{where}[{i}]: expected a rate > 0 (req/s) or inf, got {v[i]!r}")
         if float(r) in out:
@@ -254,6 +258,7 @@ def parse_recipe(raw: Any, name: str = "recipe", sets: Optional[list[str]] = Non
         apply_set(raw, s)
     check_keys(raw, TOP_KEYS, "")
     shared = Shared.from_raw({k: v for k, v in raw.items() if k in Shared.keys()}, "")
+    shared = shared.replace(rates=trace_rates(shared.workload, shared.rates, shared.seed))
     if shared.name is not None and not isinstance(shared.name, str):
         raise RecipeError(f"name: expected a string, got {shared.name!r}")
     recipe_name = str(shared.name or name)

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from pdlab.measure.search import RateSearch
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.sim.simulator import Simulator
-from pdlab.workload import Workload, build_requests
+from pdlab.workload import Workload, build_requests, trace_facts
 
 ALONE_REQUESTS = 3
 
@@ -95,5 +95,5 @@ def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: An
                  "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
                                      for n, v in recipe.variants.items()},
                  "floors": floors, "warnings": [],
-                 "modelled": {n: simulated(v) for n, v in recipe.variants.items()}}
+                 "modelled": {n: simulated(v) for n, v in recipe.variants.items()}, "trace": trace_facts(workloads)}
     return out

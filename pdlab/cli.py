@@ -167,6 +167,30 @@ def plan(
     raise typer.Exit(main(recipe, set_ or [], devices, modes, validate, out, json_))
 
 
+trace_app = typer.Typer(cls=_Group, help="Production traces (Mooncake, Azure, BurstGPT, jsonl) that a workload "
+                                         "replays (workload.trace).", no_args_is_help=True)
+app.add_typer(trace_app, name="trace")
+
+
+@trace_app.command("stats", cls=_Command)
+def trace_stats(
+    path: str = typer.Argument(..., metavar="FILE", help="Trace file"),
+    format_: Optional[str] = typer.Option(None, "--format", metavar="F", help="mooncake, azure, burstgpt or jsonl "
+                                                                              "(default: from the file's first line)"),
+    bin_s: Optional[float] = typer.Option(None, "--bin-s", metavar="S", help="Seconds per bin of the rate over "
+                                                                             "time (default: at most 60 bins, of "
+                                                                             "10 arrivals at the mean rate or more)"),
+    plot: Optional[str] = typer.Option(None, "--plot", metavar="PNG", help="Plot file (default: "
+                                                                           "runs/traces/<file>-stats.png)"),
+    no_plot: bool = typer.Option(False, "--no-plot", help="Table only"),
+    json_: bool = typer.Option(False, "--json", help="Machine-readable output (JSON on stdout)"),
+) -> None:
+    """What a trace holds: requests and drops, rate over time, length percentiles, burstiness, prefix reuse."""
+    from pdlab.commands.trace import stats_main
+
+    raise typer.Exit(stats_main(path, format_, bin_s, plot, no_plot, json_))
+
+
 @app.command(cls=_Command)
 def serve(
     recipe: str = typer.Argument(..., metavar="RECIPE", help="Recipe YAML file"),

@@ -26,7 +26,7 @@ from pdlab.measure.records import RunDir
 from pdlab.measure.search import RateSearch
 from pdlab.measure.transports import TransportPaths
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
-from pdlab.workload import Workload, WorkloadRequest, build_requests
+from pdlab.workload import Workload, WorkloadRequest, build_requests, trace_facts
 
 LEAD_S = 0.05  # the first arrival is this far after the rate starts, so nothing is late by construction
 ALONE_REQUESTS = 3  # calibration: requests measured one at a time (after one unmeasured)
@@ -112,7 +112,7 @@ class Harness:
                 "floors": {k: s["floor"] for k, s in self.searches.items() if s.get("floor")},
                 "warnings": list(warnings) + self.kernels.warnings, "kernels": self.kernels.facts(),
                 "modelled": {n: v.model.timing.describe() for n, v in self.recipe.variants.items() if v.model.modelled},
-                "expect": self.recipe.shared.expect}
+                "trace": trace_facts(self.workloads), "expect": self.recipe.shared.expect}
 
     def run(self) -> None:
         self.calibrate()

@@ -1,7 +1,8 @@
 """The verdict of a diagnosis, in plain words, with the numbers each sentence rests on.
 
 `prefill_interference` when the prefill windows explain at least half of the ITL misses (beyond chance,
-pdlab.diagnose.misses) and at least MIN_MISSES stall-tagged gaps missed; `not_prefill_stalls` otherwise (no
+pdlab.diagnose.misses) and at least MIN_MISSES misses fell in windows (the share, not the stall tags, decides:
+a stall that misses the target may still not stand out from a noisy steady distribution); `not_prefill_stalls` otherwise (no
 misses at all included: then none are prefill stalls); `inconclusive` when the data cannot say (too few gaps
 outside every window to know the steady ITL, or no isolated prefill window to fit).
 
@@ -52,7 +53,7 @@ def _share(x: Optional[float]) -> str:
 
 def _budget(fit: Fit, target_ms: float) -> tuple[Optional[int], Optional[float]]:
     line = fit.line
-    if line is None or line.slope_ms_per_token <= 0:
+    if line is None or line.slope_ms_per_token <= 0 or fit.flat:
         return None, None
     top = max(p.prompt_tokens for p in fit.points)
     best = None
@@ -64,7 +65,7 @@ def _budget(fit: Fit, target_ms: float) -> tuple[Optional[int], Optional[float]]
 
 def _beyond(fit: Fit, target_ms: float) -> Optional[int]:
     line = fit.line
-    if line is None or line.slope_ms_per_token <= 0:
+    if line is None or line.slope_ms_per_token <= 0 or fit.flat:
         return None
     if fit.plateau_ms is not None and fit.plateau_ms <= target_ms:
         return None  # the stalls level off within the target
@@ -84,7 +85,7 @@ def judge(itl: dict, misses: dict, fit: Fit, corr: dict, threshold_ok: bool, tar
     explained = misses["explained_share"] or 0.0
     line, rows = fit.line, by_length(fit.points)
     longest = rows[-1]
-    if explained >= EXPLAINS and misses["stall_tagged"] >= MIN_MISSES:
+    if explained >= EXPLAINS and misses["in_windows"] >= MIN_MISSES:
         return _interference(itl, misses, fit, target_ms, figures, longest)
     out = []
     if misses["misses"]:
@@ -123,7 +124,12 @@ def _interference(itl: dict, misses: dict, fit: Fit, target_ms: float, figures: 
            f"{_share(misses['miss_rate_outside'])} outside)."]
     beyond = _beyond(fit, target_ms)
     budget, budget_ms = _budget(fit, target_ms)
-    if line is not None and line.slope_ms_per_token > 0:
+    if fit.flat:
+        out.append(f"Stalls do not grow with prompt length: about {_ms(fit.plateau_ms)} from "
+                   f"{min(p.prompt_tokens for p in fit.points)} to {longest['prompt_tokens']} tokens; the server seems "
+                   "to split prefills into chunks of a fixed budget already, and each chunk stalls decodes that long.")
+        budget = budget_ms = beyond = None
+    elif line is not None and line.slope_ms_per_token > 0:
         r2 = "" if line.r2 is None else f", R² {line.r2:.2f}"
         if beyond is not None:
             shortest = min(p.prompt_tokens for p in fit.points)
@@ -140,10 +146,11 @@ def _interference(itl: dict, misses: dict, fit: Fit, target_ms: float, figures: 
         else:
             out.append(f"No chunked-prefill budget of {MIN_BUDGET} tokens or more keeps a stall within "
                        f"{target_ms:g} ms by the fit: chunking alone will not meet the target.")
-        prefill_ms = line.slope_ms_per_token * longest["prompt_tokens"]
-        out.append(f"Disaggregation would remove these stalls at a TTFT cost of about the prefill time plus a "
-                   f"KV hand-over: here a {longest['prompt_tokens']}-token prompt's TTFT is "
-                   f"{_ms(longest['ttft_ms_p50'])} (about {_ms(prefill_ms)} of prefill by the fit); the hand-over, "
-                   "which the client cannot see, comes on top.")
+    prefill = ""
+    if line is not None and line.slope_ms_per_token > 0 and not fit.flat:
+        prefill = f" (about {_ms(line.slope_ms_per_token * longest['prompt_tokens'])} of prefill by the fit)"
+    out.append(f"Disaggregation would remove these stalls at a TTFT cost of about the prefill time plus a KV "
+               f"hand-over: here a {longest['prompt_tokens']}-token prompt's TTFT is {_ms(longest['ttft_ms_p50'])}"
+               f"{prefill}; the hand-over, which the client cannot see, comes on top.")
     out.append(figures)
     return Verdict("prefill_interference", tuple(out), budget, budget_ms, beyond)

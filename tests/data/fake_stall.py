@@ -12,7 +12,7 @@ chunk of at most --chunk tokens) and gives every running stream one token; it la
 --record DIR writes what the server did as a pdlab serve run directory has it: DIR/steps.jsonl (start, end,
 prefill_tokens, decode_seqs, worker) and DIR/requests.jsonl (id `<response id>-0`, decode_worker), the
 truth the tests hold pdlab diagnose's tags against. $FAKE_STALL_LOG: one JSON line per HTTP request (path,
-prompt_len, max_tokens). GET /fake/stats: {"max_inflight": the most completions open at once}.
+prompt_len, max_tokens, t: its time.monotonic() on arrival). GET /fake/stats: {"max_inflight": the most completions open at once}.
 """
 
 import argparse
@@ -47,6 +47,7 @@ if args.record:
 def write(name: str, rec: dict) -> None:
     if name == "log":
         path = os.environ.get("FAKE_STALL_LOG")
+        rec = {**rec, "t": time.monotonic()}
     else:
         path = os.path.join(args.record, f"{name}.jsonl") if args.record else None
     if path:

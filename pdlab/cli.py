@@ -236,5 +236,72 @@ def report(
     raise typer.Exit(main(runs, html, baseline, rate))
 
 
+# the defaults' one home (light: dataclasses only, no heavy import)
+from pdlab.diagnose.plan import Caps as _Caps, Options as _Options  # noqa: E402
+
+_DIAG, _DIAG_CAPS = _Options("", ""), _Caps()
+
+
+@app.command(cls=_Command)
+def diagnose(
+    target: str = typer.Argument(..., metavar="URL|RUN_DIR",
+                                 help="A running OpenAI-compatible server's API base (http://HOST:PORT/v1), or a "
+                                      "pdlab run directory to analyse offline"),
+    model: Optional[str] = typer.Option(None, "--model", metavar="NAME", help="The served model (URL: required)"),
+    itl_ms: Optional[float] = typer.Option(None, "--itl-ms", metavar="MS",
+                                           help=f"ITL target: a gap longer is a miss (default {_DIAG.itl_ms:g}; "
+                                                "RUN_DIR: the run's own absolute target where it had one)"),
+    concurrency: int = typer.Option(_DIAG.concurrency, "--concurrency", metavar="N",
+                                    help="Background streams (short prompts, long outputs)"),
+    lengths: str = typer.Option(",".join(map(str, _DIAG.lengths)), "--lengths", metavar="LIST",
+                                help="Probe prompt lengths in tokens, capped by the model's length"),
+    repeats: int = typer.Option(_DIAG.repeats, "--repeats", metavar="N", help="Probes per length"),
+    max_model_len: Optional[int] = typer.Option(None, "--max-model-len", metavar="N",
+                                                help="Tokens per request the server takes, where its /v1/models "
+                                                     "does not say"),
+    lengths_from: Optional[str] = typer.Option(None, "--lengths-from", metavar="FILE",
+                                               help="Also replay your prompt-length mix: one length per line, or a "
+                                                    "pdlab requests.jsonl"),
+    mixed_rate: float = typer.Option(_DIAG.mixed_rate, "--mixed-rate", metavar="R", help="Mixed phase: sends/s"),
+    mixed_requests: int = typer.Option(_DIAG.mixed_requests, "--mixed-requests", metavar="N",
+                                       help="Mixed phase: at most N of the file's lengths"),
+    steady_s: float = typer.Option(_DIAG.steady_s, "--steady-s", metavar="S",
+                                   help="Background streams alone before the first probe"),
+    probe_gap_s: float = typer.Option(_DIAG.probe_gap_s, "--probe-gap-s", metavar="S",
+                                      help="Background alone between two probes"),
+    max_concurrency: int = typer.Option(_DIAG_CAPS.concurrency, "--max-concurrency", metavar="N",
+                                        help="Hard cap: requests in flight"),
+    max_rate: float = typer.Option(_DIAG_CAPS.rate, "--max-rate", metavar="R", help="Hard cap: sends per second"),
+    max_tokens_total: int = typer.Option(_DIAG_CAPS.tokens, "--max-tokens-total", metavar="N",
+                                         help="Hard cap: prompt + max output tokens of all requests"),
+    max_duration: float = typer.Option(_DIAG_CAPS.duration_s, "--max-duration", metavar="S",
+                                       help="Hard cap: seconds from the first send"),
+    api_key_env: Optional[str] = typer.Option(None, "--api-key-env", metavar="VAR",
+                                              help="Environment variable holding the API key (never written)"),
+    metrics: bool = typer.Option(_DIAG.metrics, "--metrics/--no-metrics",
+                                 help="Read the server's /metrics (running requests) once a second"),
+    seed: int = typer.Option(_DIAG.seed, "--seed", metavar="N", help="Seed of the prompts and the mixed phase"),
+    out: Optional[str] = typer.Option(None, "--out", metavar="DIR",
+                                      help="Output directory (default: runs/diagnose-<time>; RUN_DIR/diagnose)"),
+    html: Optional[str] = typer.Option(None, "--html", metavar="FILE", help="Also write a self-contained HTML page"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan and send nothing"),
+    json_: bool = typer.Option(False, "--json", help="The summary as JSON on stdout"),
+    steps_from: Optional[str] = typer.Option(None, "--steps-from", metavar="DIR",
+                                             help="Hold the tags against this pdlab serve run's steps.jsonl (same "
+                                                  "machine)"),
+) -> None:
+    """Is prefill interference what breaks a service's ITL? Background streams, isolated probes of growing prompt
+    length, every gap tagged steady or stall, a fit and a plain-words verdict, within a printed plan's hard caps."""
+    from pdlab.commands.diagnose import main
+
+    raise typer.Exit(main(target, model=model, itl_ms=itl_ms, concurrency=concurrency, lengths=lengths,
+                          repeats=repeats, max_model_len=max_model_len, lengths_from=lengths_from,
+                          mixed_rate=mixed_rate, mixed_requests=mixed_requests, steady_s=steady_s,
+                          probe_gap_s=probe_gap_s, max_concurrency=max_concurrency, max_rate=max_rate,
+                          max_tokens_total=max_tokens_total, max_duration=max_duration, api_key_env=api_key_env,
+                          metrics=metrics, seed=seed, out=out, html=html, dry_run=dry_run, json_=json_,
+                          steps_from=steps_from))
+
+
 if __name__ == "__main__":
     app()

@@ -66,6 +66,22 @@ def check_machine(recipe: Recipe) -> None:
         if v.deployment.endpoint is None:  # an endpoint runs on its own machines
             place(v.deployment)
         check_variant(v)
+        check_model(v)
+
+
+def check_model(v: Variant) -> None:
+    """What the variant's model must allow, checked before anything starts (RecipeError): tensor-parallel
+    workers need a model pdlab can shard by its own plan (pdlab.engine.tensor_parallel)."""
+    tp = max((w.tp for w in v.deployment.workers), default=1) if v.deployment.endpoint is None else 1
+    if tp == 1 or v.backend.external or v.model.modelled:
+        return
+    from pdlab.engine.tensor_parallel import TpPlanError, check_spec
+    from pdlab.fields import RecipeError
+
+    try:
+        check_spec(v.model, tp)
+    except TpPlanError as e:
+        raise RecipeError(f"variants.{v.name}.deployment: tp {tp}: {e}") from None
 
 
 def worker_cores(recipe: Recipe) -> set[int]:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -50,6 +51,24 @@ def test_every_request_served_and_disaggregated_equals_unified(tiny_run):
     assert {t["request"] for t in run.transfers} >= {r["id"] for r in measured if r["variant"] == "disagg"}
     roles = {s["role"] for s in run.steps}
     assert roles == {"unified", "prefill", "decode"}
+
+
+@pytest.mark.slow
+def test_the_run_records_which_kernels_each_worker_ran(tiny_run):
+    """env.json and the summary say, per variant and worker, which CPU kernels ran and why the others did not."""
+    run = load_run(tiny_run)
+    workers = {v: set(w) for v, w in run.env["cpu_kernels"].items()}
+    assert workers == {"unified": {"unified0"}, "disagg": {"prefill0", "decode0"}}
+    for v, ws in run.env["cpu_kernels"].items():
+        for w, kernels in ws.items():
+            assert set(kernels) == {"decode_attention", "prefill_attention", "rotary", "swiglu", "rms_norm"}
+            for k, c in kernels.items():
+                built = shutil.which(os.environ.get("CC") or "cc") is not None
+                assert not (built and c["why"].startswith("not built")), (v, w, k, c)
+                if c["why"] in ("faster here", "slower here"):  # timed here: the choice follows the numbers
+                    assert c["use"] == (c["kernel_ms"] <= c["torch_ms"])
+        assert run.summary["kernels"][v]["workers"] == ws and run.summary["kernels"][v]["describe"]
+    assert "attention" not in run.env or "cpu" not in run.env["attention"]  # the old constant "sdpa" is gone
 
 
 @pytest.mark.slow
@@ -169,7 +188,11 @@ def test_control_plane_over_loopback_tcp(tmp_path):
 def test_doctor_and_generate_commands():
     r = pdlab("doctor", "--probe-mb", "1", timeout=120)
     assert r.returncode == 0 and "shm" in r.stdout and "Traceback" not in r.stderr, r.stderr
-    assert "CPU decode-attention kernel" in r.stdout
+    # the kernels' build and a cpu-demo worker's choice per kernel; with a compiler here they must have built
+    assert "CPU kernels (pdlab.engine.cpu_kernel): " in r.stdout
+    if shutil.which(os.environ.get("CC") or "cc"):
+        assert "CPU kernels (pdlab.engine.cpu_kernel): built;" in r.stdout, r.stdout
+        assert r.stdout.count("decode_attention: kernel") + r.stdout.count("decode_attention: torch: slower") == 1
     r = pdlab("generate", "--model", "tiny-llama", "--prompts", "2", "--prompt-len", "16", "--max-tokens", "4",
               timeout=120)
     assert r.returncode == 0 and "8 new tokens" in r.stdout, r.stdout + r.stderr

@@ -11,7 +11,7 @@ import time
 import pytest
 
 import engine_helpers as eh
-from pdlab.engine.tensor_parallel import describe_step, local_kv_heads, read_step, tp_error
+from pdlab.engine.tensor_parallel import describe_step, read_step, shard_heads, tp_error
 from pdlab.recipe import RecipeError, parse_recipe
 from pdlab.recipe.nixl import nixl_module
 from pdlab.serve.cluster import RequestDone, TokenEvent, WorkerFailed
@@ -26,7 +26,7 @@ BASE = {"model": {"preset": "tiny-llama"}, "rates": [1], "variants": {}}
 def test_what_splits_over_tp_ranks():
     assert tp_error(heads=4, kv_heads=2, intermediate=128, tp=2) is None
     assert tp_error(heads=4, kv_heads=2, intermediate=128, tp=4) is None  # KV heads replicated, as vLLM
-    assert local_kv_heads(2, 4) == 1 and local_kv_heads(8, 2) == 4
+    assert len(shard_heads(2, 4, 0)) == 1 and len(shard_heads(8, 2, 1)) == 4
     assert tp_error(4, 2, 128, 3) == "4 attention heads do not split over tp 3"
     assert tp_error(8, 6, 128, 4) == "6 KV heads do not split over tp 4"
     assert tp_error(8, 3, 128, 8) == "3 KV heads cannot be replicated evenly over tp 8"

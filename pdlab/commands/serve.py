@@ -69,6 +69,7 @@ def _main(recipe_path: str, variant: str, host: str, port: int, sets: list[str],
     from pdlab.constants import API_KEY_ENV, SERVE_BACKENDS
     from pdlab.engine.model import ModelLoadError
     from pdlab.external import check_variant
+    from pdlab.harness import check_model
     from pdlab.measure.records import RunDir, collect_env, default_run_path
     from pdlab.measure.transports import TransportPaths
     from pdlab.recipe import RecipeError, load_recipe
@@ -92,6 +93,7 @@ def _main(recipe_path: str, variant: str, host: str, port: int, sets: list[str],
                               f"(it serves {', '.join(SERVE_BACKENDS)}); an endpoint is a server already")
         place(v.deployment)
         check_variant(v)
+        check_model(v)
         served = load_served_model(v, served_model_name)
     except (RecipeError, ClusterError, ModelLoadError) as e:
         return _err(str(e))

@@ -16,16 +16,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from pdlab.engine.tensor_parallel import shard_heads
 from pdlab.kv.transfer import block_runs
-
-
-def shard_heads(kv_heads: int, tp: int, rank: int) -> range:
-    """The model's KV heads held by `rank` of a `tp`-rank group."""
-    if kv_heads >= tp:
-        k = kv_heads // tp
-        return range(rank * k, (rank + 1) * k)
-    h = rank * kv_heads // tp
-    return range(h, h + 1)
 
 
 @dataclass

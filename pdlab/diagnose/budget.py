@@ -27,7 +27,8 @@ class Budget:
         self.background = 0
         self.started: Optional[float] = None
         self.stopped: Optional[str] = None  # why nothing more is sent
-        self._next_send = 0.0
+        self._next_send = 0.0  # the next turn reserved
+        self._last_send = -1e18  # when the last request actually went
         self._cond = asyncio.Condition()
 
     @property
@@ -37,9 +38,10 @@ class Budget:
     def stop(self, why: str) -> None:
         self.stopped = self.stopped or why
 
-    async def take(self, kind: str, tokens: int) -> None:
-        """Wait until `kind`'s request of `tokens` (prompt + max_tokens) may go; Exhausted when it may not.
-        The request is counted, and its send time reserved, under the lock: two senders never share a slot."""
+    async def take(self, kind: str, tokens: int) -> float:
+        """Wait until `kind`'s request of `tokens` (prompt + max_tokens) may go; Exhausted when it may not. Returns
+        the send time: at least 1/rate after the previous one's, whatever the sleeps overshot. The request is
+        counted, and its turn reserved, under the lock: two senders never share a slot."""
         async with self._cond:
             while True:
                 self._refuse(kind, tokens)
@@ -55,15 +57,17 @@ class Budget:
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
             self._count(kind, tokens, +1)
         try:
-            if at > self.clock():
-                await asyncio.sleep(at - self.clock())
+            while (wait := max(at, self._last_send + 1.0 / self.caps.rate) - self.clock()) > 0:
+                await asyncio.sleep(wait)
             self._closed()
         except BaseException:
             self._count(kind, tokens, -1)
             await self.release()
             raise
+        now = self._last_send = self.clock()  # no await between the check above and this: one sender at a time
         if self.started is None:
-            self.started = self.clock()
+            self.started = now
+        return now
 
     def _count(self, kind: str, tokens: int, sign: int) -> None:
         self.requests += sign

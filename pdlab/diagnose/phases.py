@@ -130,12 +130,15 @@ class Runner:
         self.phases["mixed"].append(time.monotonic())
 
     async def _slot(self) -> None:
-        """One background stream, renewed whenever it ends, until the diagnosis stops."""
+        """One background stream, renewed whenever it ends, until the diagnosis stops. A renewal the plan does not
+        allow ends the diagnosis: without its background streams, probes measure nothing."""
         while not self.budget.stopped:
             s = self._new("background", self.o.background_prompt, self.o.background_output)
             try:
                 await self._send(s)
-            except Exhausted:
+            except Exhausted as e:
+                if not self.budget.stopped:
+                    self._request_stop(f"{e}, so the diagnosis stopped")
                 return
 
     async def _until_streaming(self, slots: list[asyncio.Task]) -> None:
@@ -164,7 +167,7 @@ class Runner:
 
     # ---- one request ----
     async def _send(self, s: Sent) -> None:
-        await self.budget.take(s.phase, s.prompt_len + s.max_tokens)
+        s.arrival = await self.budget.take(s.phase, s.prompt_len + s.max_tokens)
         self.sent.append(s)
         as_ids = self.target.output_as == "token_ids"
 
@@ -176,7 +179,6 @@ class Runner:
                 s.chunks.append(n)
 
         try:
-            s.arrival = time.monotonic()
             final = await stream_completion(self.session, f"{self.target.url}/completions", s.body, on_chunk,
                                             headers=self.target.headers)
             s.usage = final.get("usage")

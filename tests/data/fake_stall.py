@@ -12,7 +12,7 @@ chunk of at most --chunk tokens) and gives every running stream one token; it la
 --record DIR writes what the server did as a pdlab serve run directory has it: DIR/steps.jsonl (start, end,
 prefill_tokens, decode_seqs, worker) and DIR/requests.jsonl (id `<response id>-0`, decode_worker), the
 truth the tests hold pdlab diagnose's tags against. $FAKE_STALL_LOG: one JSON line per HTTP request (path,
-prompt_len, max_tokens, t: its time.monotonic() on arrival). GET /fake/stats: {"max_inflight": the most completions open at once}.
+prompt_len, max_tokens, t: its time.monotonic() on arrival). GET /fake/stats: {"max_inflight": the most completions open at once, "inflight": those open now}.
 """
 
 import argparse
@@ -132,7 +132,7 @@ def error(status: int, message: str) -> web.Response:
 
 @web.middleware
 async def auth(request: web.Request, handler):
-    if KEY is not None and request.headers.get("Authorization") != f"Bearer {KEY}":
+    if KEY is not None and request.path != "/fake/stats" and request.headers.get("Authorization") != f"Bearer {KEY}":
         return error(401, "missing or wrong API key")
     return await handler(request)
 
@@ -161,7 +161,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 async def stats(_: web.Request) -> web.Response:
-    return web.json_response({"max_inflight": STATS["max_inflight"]})
+    return web.json_response({"max_inflight": STATS["max_inflight"], "inflight": STATS["inflight"]})
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -20,12 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pdlab.constants import STALL_TIMEOUT_S
-from pdlab.measure.kernels import KernelLog
 from pdlab.measure.metrics import build_request_record
+from pdlab.measure.box import calibration_check
+from pdlab.measure.kernels import KernelLog
 from pdlab.measure.records import RunDir
 from pdlab.measure.search import RateSearch
 from pdlab.measure.transports import TransportPaths
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
+from pdlab.recipe.recipe import relative_rate
 from pdlab.workload import Workload, WorkloadRequest, build_requests, trace_facts
 
 LEAD_S = 0.05  # the first arrival is this far after the rate starts, so nothing is late by construction
@@ -114,8 +116,9 @@ class Harness:
         self.alone_by_variant: dict[str, Alone] = {}  # each variant's own deployment
         self.searches: dict[tuple[str, int], dict] = {}  # (variant, repeat) -> saturation rps and trials
         self.paths = TransportPaths(rd, view)  # the KV path each variant actually took: env.json, live view
-        self.warm_caches: set[str] = set()  # variants whose server could not reset its prefix cache
         self.kernels = KernelLog(rd, view)  # the CPU kernels each variant's workers ran: env.json, summary
+        self.rates_resolved: dict[str, float] = {}  # relative rates (0.5x) -> req/s, once calibrated
+        self.warm_caches: set[str] = set()  # variants whose server could not reset its prefix cache
 
     def facts(self, warnings: list[str]) -> dict:
         """What the summary needs beyond the records (pdlab.measure.summary.summarize_run)."""
@@ -126,9 +129,22 @@ class Harness:
                 "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
                                     for n, v in self.recipe.variants.items()},
                 "floors": {k: s["floor"] for k, s in self.searches.items() if s.get("floor")},
-                "warnings": list(warnings) + self.kernels.warnings, "kernels": self.kernels.facts(),
+                "warnings": list(warnings) + self.kernels.warnings + self._calibration_check(),
+                "kernels": self.kernels.facts(), "rates_resolved": dict(self.rates_resolved),
                 "modelled": {n: v.model.timing.describe() for n, v in self.recipe.variants.items() if v.model.modelled},
                 "trace": trace_facts(self.workloads), "expect": self.recipe.shared.expect}
+
+    def _calibration_check(self) -> list[str]:
+        """The calibration against the variants that ran on the same kind of worker (pdlab.measure.box)."""
+        first = self.recipe.resolved(self.recipe.variant_names[0])
+        like = [n for n, v in self.recipe.variants.items()
+                if v.deployment.kind == "unified" and v.deployment.endpoint is None and v.engine == first.engine
+                and v.model == first.model and v.backend == first.backend]
+        lines = calibration_check(self.alone.to_dict() if self.alone else None,
+                                  {n: a.to_dict() for n, a in self.alone_by_variant.items()}, like)
+        for line in lines:
+            self.view.note(f"warning: {line}")
+        return lines
 
     def run(self) -> None:
         self.calibrate()
@@ -170,6 +186,13 @@ class Harness:
             cluster.start()
             self.alone = self._alone(cluster, reqs, where)
         itl = self.alone.itl_ms
+        if self.recipe.relative_rates:  # 0.5x: half of 1 / TTFT alone, the same absolute rates for every variant
+            written = self.recipe.relative_rates
+            self.recipe = self.recipe.with_rates_for(self.alone.ttft_ms)
+            self.rates_resolved = {w: relative_rate(w) * 1000.0 / self.alone.ttft_ms for w in written}
+            self.view.note("rates relative to one request alone (1 / TTFT = "
+                           f"{1000.0 / self.alone.ttft_ms:.3g} req/s): " +
+                           ", ".join(f"{w} = {r:.3g} req/s" for w, r in self.rates_resolved.items()))
         if self.slo.relative:
             if self.slo.itl is not None and math.isnan(itl):
                 raise RunAborted("a relative ITL SLO needs requests with 2+ output tokens to measure ITL alone")

@@ -252,7 +252,8 @@ def build_workload(variant: Any) -> Workload:
     else:
         dataset = load_dataset(wl.dataset, tokenizer, vocab) if wl.dataset else None
     w = Workload(wl, variant.warmup, variant.auto, vocab, tokenizer, dataset)
-    rates = [math.inf] if variant.auto else list(variant.rates)
+    # relative rates (0.5x) are resolved after the calibration; prompts and lengths do not depend on the rate
+    rates = [math.inf] if variant.auto else [r if isinstance(r, float) else 1.0 for r in variant.rates]
     built = [w.warmup(s) for s in variant.seeds()] + [w.at(r, s) for s in variant.seeds() for r in rates]
     longest = max((len(r.prompt_ids) for reqs in built for r in reqs), default=0)
     if context and longest >= context:

@@ -79,7 +79,6 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
     env = collect_env()
     env.update(main_process_cores=cores, warnings=warnings)
     rd.write_env(env)
-    grid = {v: recipe.rates for v in recipe.variant_names}
     partial, reason, code = False, None, 0
     # SIGTERM ends the run like Ctrl-C does: cleanly, with what was measured.
     old_term = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -98,10 +97,11 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
         signal.signal(signal.SIGTERM, old_term)
         if partial:
             rd.mark_partial(reason)
-        if harness.slo.relative:  # stopped before the SLO could be resolved: nothing was measured
-            rd.close()
+        if harness.slo.relative or harness.recipe.relative_rates:  # stopped before the calibration resolved them:
+            rd.close()                                                 # nothing was measured
             rd.write_summary({"partial": True, "reason": reason, "slo": None, "variants": {}})
         else:
+            grid = {v: harness.recipe.rates for v in recipe.variant_names}  # relative rates resolved
             finalize(rd, harness.slo, grid=grid, partial=partial, reason=reason, **harness.facts(warnings))
     _print_table(path)
     if partial:
@@ -134,7 +134,7 @@ def _simulate(recipe: object, workloads: dict, path: str) -> int:
     result = simulate_recipe(recipe, workloads, progress=lambda v: print(f"{v}: simulated", flush=True))
     for kind in ("requests", "steps", "transfers"):
         rd.append(kind, getattr(result, kind))
-    finalize(rd, result.slo, grid={v: recipe.rates for v in recipe.variant_names}, **result.facts)
+    finalize(rd, result.slo, grid={v: result.recipe.rates for v in recipe.variant_names}, **result.facts)
     _print_table(path)
     print(path)
     return 0

@@ -76,3 +76,31 @@ def over_line(over: list[dict]) -> Optional[str]:
     where = "under its timing model" if all(o["modelled"] for o in over) else "here"
     return (f"the box: fixed rates above what the deployment serves {where}: {'; '.join(parts)}; queues grow for the "
             "whole run, so latencies there measure the run's length: add lower rates, or use rates: auto")
+
+
+CALIBRATION_TOLERANCE = 1.5  # the calibration against a variant's own "alone", same deployment kind and engine
+
+
+def calibration_check(calibration: Optional[dict], alone_by_variant: dict[str, dict],
+                      like_calibration: list[str]) -> list[str]:
+    """The calibration (one request alone on one unified worker, at the start: it resolves relative SLOs and
+    rates) against what each variant of the same kind measured alone later (`like_calibration`: unified,
+    with the calibration's model and engine); a disagreement beyond CALIBRATION_TOLERANCE means one of them ran
+    on a disturbed box, and the relative figures rest on the calibration."""
+    out = []
+    if not calibration:
+        return out
+    for v in like_calibration:
+        own = alone_by_variant.get(v)
+        for key, what in (("ttft_ms", "TTFT"), ("itl_ms", "ITL")):
+            a, b = (calibration or {}).get(key), (own or {}).get(key)
+            if not a or not b or not (math.isfinite(a) and math.isfinite(b)):
+                continue
+            ratio = b / a
+            if 1 / CALIBRATION_TOLERANCE <= ratio <= CALIBRATION_TOLERANCE:
+                continue
+            out.append(f"the box: {v} measured one request alone at {b:.1f} ms {what}, {max(ratio, 1 / ratio):.1f}x "
+                       f"{'slower' if ratio > 1 else 'faster'} than the calibration's {a:.1f} ms on the same kind "
+                       "of worker: one of them ran on a disturbed box; relative SLOs and rates rest on the "
+                       "calibration")
+    return out

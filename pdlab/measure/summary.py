@@ -145,7 +145,8 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                   floors: Optional[dict[tuple[str, int], float]] = None, warnings: Optional[list[str]] = None,
                   modelled: Optional[dict[str, str]] = None, expect: Any = None,
                   run: Optional[dict] = None, trace: Optional[dict[str, dict]] = None,
-                  kernels: Optional[dict[str, dict]] = None) -> dict:
+                  kernels: Optional[dict[str, dict]] = None,
+                  rates_resolved: Optional[dict[str, float]] = None) -> dict:
     """The summary of a run. `grid`: variant -> planned rates or "auto" (variants in run order; one that has no
     records is listed with `ran: false`); default: the variants found in the records. `alone`: the
     calibration ({ttft_ms, itl_ms, ...}); `relative`: the SLO multipliers it resolved; `floors`: (variant,
@@ -227,7 +228,9 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
             # a trace workload: what it was (variant -> pdlab.traces Replay.facts) beside what was measured of it
             "trace": trace_summary(trace or {}, requests),
             # variant -> {workers: worker -> kernel -> choice, describe: one line} (pdlab.measure.kernels)
-            "kernels": dict(kernels or {})}
+            "kernels": dict(kernels or {}),
+            # rates written relative to the machine (0.5x: of 1 / TTFT alone) -> the req/s they resolved to
+            "rates_resolved": dict(rates_resolved or {})}
 
 
 def _nixl_over_tcp(transfers: list[dict]) -> list[str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import yaml
@@ -35,7 +35,9 @@ VARIANT_KEYS = ("deployment", "engine", "model", "description")
 TOP_KEYS = ("name", "description", "seed", "warmup", "model", "engine", "workload", "rates", "search", "repeats",
             "slo", "simulate", "expect", "deployment", "variants")
 RATES_FORM = ("auto (goodput found by search) or a list of request rates > 0 (req/s), inf for all-at-once, "
-              f"{TRACE_RATE} for a workload.trace at its own pace, e.g. [1, 2, 4, .inf]")
+              f"{TRACE_RATE} for a workload.trace at its own pace, or relative to this machine (0.5x: half the "
+              "rate at which one worker serves one request after another, 1 / its TTFT alone), e.g. [1, 2, 4, .inf] "
+              "or [0.2x, 0.5x, .inf]")
 AUTO = "auto"
 
 
@@ -95,6 +97,24 @@ def apply_set(raw: dict, assignment: str) -> None:
     node[parts[-1]] = value
 
 
+def relative_rate(r: Any) -> Optional[float]:
+    """x of a rate written `<x>x` (a multiple of 1 / the TTFT of one request alone), else None."""
+    if not isinstance(r, str) or not r.strip().lower().endswith("x"):
+        return None
+    try:
+        x = float(r.strip()[:-1])
+    except ValueError:
+        return None
+    return x if x > 0 and math.isfinite(x) else None
+
+
+def resolve_rates(rates: Any, alone_ttft_ms: float) -> Any:
+    """`rates` with each relative entry (`0.5x`) made a rate in req/s: x / the TTFT of one request alone."""
+    if not isinstance(rates, tuple):
+        return rates
+    return tuple(relative_rate(r) * 1000.0 / alone_ttft_ms if relative_rate(r) is not None else r for r in rates)
+
+
 def parse_rates(v: Any, where: str) -> Union[str, tuple[float, ...]]:
     if v == AUTO:
         return AUTO
@@ -106,6 +126,12 @@ def parse_rates(v: Any, where: str) -> Union[str, tuple[float, ...]]:
             r = math.inf
         if r == TRACE_RATE and TRACE_RATE not in out:  # resolved to a number by parse_recipe (trace_rates)
             out.append(TRACE_RATE)
+            continue
+        if isinstance(r, str) and (x := relative_rate(r)) is not None:  # resolved after the calibration
+            tag = f"{x:g}x"
+            if tag in out:
+                raise RecipeError(f"{where}[{i}]: rate {tag} is listed twice")
+            out.append(tag)
             continue
         if isinstance(r, bool) or not isinstance(r, (int, float)) or math.isnan(r) or r <= 0:
             raise RecipeError(f"{where}[{i}]: expected a rate > 0 (req/s) or inf, got {v[i]!r}")
@@ -200,6 +226,21 @@ class Recipe:
     @property
     def slo(self) -> SLO:
         return self.shared.slo
+
+    @property
+    def relative_rates(self) -> list[str]:
+        """The rates written relative to this machine (`0.5x`), resolved once one request alone is measured."""
+        return [r for r in self.shared.rates if relative_rate(r) is not None] if isinstance(self.shared.rates,
+                                                                                          tuple) else []
+
+    def with_rates_for(self, alone_ttft_ms: float) -> "Recipe":
+        """This recipe with its relative rates resolved against one request alone (pdlab.harness.calibrate):
+        every variant gets the same absolute rates."""
+        if not self.relative_rates:
+            return self
+        rates = resolve_rates(self.shared.rates, alone_ttft_ms)
+        return replace(self, shared=self.shared.replace(rates=rates),
+                       variants={n: replace(v, rates=rates) for n, v in self.variants.items()})
 
     def resolved(self, variant: str) -> Variant:
         if variant not in self.variants:

@@ -26,7 +26,8 @@ from pdlab.recipe import SLO, Recipe, Variant, parse_recipe
 # what a summary written by an older pdlab, or cut short, lacks at the top level
 SUMMARY_DEFAULTS = {"schema_version": 1, "run": None, "box": None, "definitions": {}, "slo": None, "relative": None,
                     "alone": None, "alone_by_variant": {}, "repeats": 0, "partial": False, "reason": None,
-                    "warnings": [], "modelled": {}, "variants": {}, "kernels": {}}
+                    "warnings": [], "modelled": {}, "variants": {}, "kernels": {},
+                    "rates_resolved": {}}
 NO_SUMMARY = "no summary was written (the run was killed, or is still going): recomputed from the records"
 
 

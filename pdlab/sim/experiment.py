@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from pdlab.measure.search import RateSearch
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
+from pdlab.recipe.recipe import relative_rate
 from pdlab.sim.simulator import Simulator
 from pdlab.workload import Workload, build_requests, trace_facts
 
@@ -25,6 +26,7 @@ class SimResult:
     transfers: list[dict] = field(default_factory=list)
     slo: Optional[SLO] = None
     facts: dict = field(default_factory=dict)  # what summarize_run takes beyond the records
+    recipe: Optional[Recipe] = None  # the recipe simulated, relative rates resolved
 
     def add(self, recs: tuple[list[dict], list[dict], list[dict]]) -> list[dict]:
         self.requests += recs[0]
@@ -65,6 +67,9 @@ def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: An
     out = SimResult()
     first = recipe.resolved(recipe.variant_names[0])
     alone = _alone(unified_one(first), recipe.slo, workloads[first.name])
+    written = recipe.relative_rates  # 0.5x: of 1 / TTFT alone (here the model's), as pdlab run resolves them
+    recipe = recipe.with_rates_for(alone["ttft_ms"])
+    out.recipe = recipe
     slo = recipe.slo.resolved(alone["ttft_ms"], alone["itl_ms"]) if recipe.slo.relative else recipe.slo
     out.slo = slo
     floors, by_variant = {}, {}
@@ -95,5 +100,6 @@ def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: An
                  "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
                                      for n, v in recipe.variants.items()},
                  "floors": floors, "warnings": [],
+                 "rates_resolved": {w: relative_rate(w) * 1000.0 / alone["ttft_ms"] for w in written},
                  "modelled": {n: simulated(v) for n, v in recipe.variants.items()}, "trace": trace_facts(workloads)}
     return out

@@ -152,7 +152,7 @@ def _common(body: dict, max_tokens_keys: tuple[str, ...]) -> tuple[Sampling, Out
             break
     seed = _int(body, "seed", 0, SEED_MAX)
     stop_ids = () if body.get("stop_token_ids") is None else _token_ids(body["stop_token_ids"], "stop_token_ids")
-    sampling = Sampling(max_tokens, _float(body, "temperature", 1.0, 0.0, 100.0),
+    sampling = Sampling(max_tokens, _float(body, "temperature", 1.0, 0.0, math.inf),
                         _float(body, "top_p", 1.0, 0.0, 1.0, lo_open=True), seed, _stop(body), stop_ids,
                         _bool(body, "ignore_eos"))
     stream = _bool(body, "stream")

@@ -136,9 +136,9 @@ async def _serve(cluster: Any, ledger: Any, metrics: Any, served: Any, paths: An
     finally:
         await runner.cleanup()
         sock.close()
+        await loop.run_in_executor(None, state.bridge.stop)  # a signal meanwhile changes nothing
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
-        await loop.run_in_executor(None, state.bridge.stop)
     return 1 if signals["failure"] else 0
 
 

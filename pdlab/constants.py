@@ -9,7 +9,6 @@ from __future__ import annotations
 # ---- names ----
 ROLES = ("unified", "prefill", "decode")
 DEPLOYMENT_KINDS = ("unified", "disagg")
-DEVICE_KINDS = ("cpu", "cuda")
 TRANSPORTS = ("shm", "cuda-ipc", "host", "nixl")  # nixl: with the optional extra pdlab[nixl]
 # the pools each transport moves, by device kind (host: a private pool beside a shared mirror, on CPU too)
 TRANSPORT_DEVICES = {"shm": ("cpu",), "cuda-ipc": ("cuda",), "host": ("cpu", "cuda"), "nixl": ("cpu", "cuda")}
@@ -50,9 +49,7 @@ LENGTH_KINDS = ("fixed", "uniform", "dataset", "mixture")
 # the rate in `rates` that replays a trace at its own pace (its timestamps times trace.time_scale)
 TRACE_FORMATS = ("mooncake", "azure", "burstgpt", "jsonl")
 TRACE_RATE = "trace"
-# attention kernels (pdlab.engine.cuda_attention): CPU runs `sdpa`; CUDA `flash-attn` with pdlab[flash], else
-# `sdpa-expanded`. flash-attn's paged KV takes pages of a multiple of this many tokens.
-ATTENTION_KERNELS = ("sdpa", "flash-attn", "sdpa-expanded")
+# flash-attn's paged KV (pdlab.engine.cuda_attention) takes pages of a multiple of this many tokens
 FLASH_PAGE_MULTIPLE = 256
 # dtype aliases a recipe or the CLI may use -> the torch dtype name ("auto": the checkpoint's own)
 # engine backends: pdlab's own engine, an external server pdlab starts (vllm), or a running OpenAI-compatible

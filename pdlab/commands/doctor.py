@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import sys
 from typing import Any
 
@@ -17,12 +16,9 @@ from pdlab.constants import SHM_DIR
 
 
 def cpu_info() -> dict:
-    model = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), model)
-    except OSError:
-        pass
+    from pdlab.measure.records import cpu_model
+
+    model = cpu_model() or ""
     mem = {}
     try:
         with open("/proc/meminfo") as f:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -151,7 +151,3 @@ def probe_all(shape: tuple[int, ...], repeats: int = 20, scattered: bool = False
 
     return [probe_shm(shape, repeats, scattered)] + probe_cuda(shape, repeats, scattered) + \
         [probe_nixl(shape, repeats, scattered)]
-
-
-def fmt_bytes(n: Optional[int]) -> str:
-    return f"{(n or 0) / 1e6:.1f} MB"

@@ -16,7 +16,6 @@ worker writes each layer into the decode pool as the layer is computed (see Push
 
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
@@ -249,13 +248,3 @@ def make_transport(name: str, worker: str, run_prefix: str, device: str = "cpu",
 
         return CudaIpcTransport(worker, device, visible, (options or {}).get("peers", ()))
     raise ValueError(f"transport {name!r} is not available here (known: {', '.join(TRANSPORTS)})")
-
-
-def timed_copy(src_pool: torch.Tensor, src_blocks: Sequence[int], dst_pool: torch.Tensor,
-               dst_blocks: Sequence[int], sync=None) -> tuple[int, float, float]:
-    """copy_blocks with monotonic start/end (after `sync`, for device copies)."""
-    t0 = time.monotonic()
-    n = copy_blocks(src_pool, src_blocks, dst_pool, dst_blocks)
-    if sync is not None:
-        sync()
-    return n, t0, time.monotonic()

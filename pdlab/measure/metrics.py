@@ -9,7 +9,6 @@ pool every gap of every successful request (vLLM does the same).
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from typing import Any, Iterable, Optional
 
 import numpy as np

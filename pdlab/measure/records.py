@@ -206,7 +206,7 @@ def collect_env() -> dict:
         "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0],
         "platform": platform.platform(), "host": socket.gethostname(), "cpu_count": os.cpu_count(),
         "cpu_affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "memory_bytes": _mem_total(), "cpu_model": _cpu_model(), "argv": sys.argv,
+        "memory_bytes": _mem_total(), "cpu_model": cpu_model(), "argv": sys.argv,
     }
     for mod in ("pdlab", "torch", "transformers", "numpy", "zmq"):
         try:
@@ -230,7 +230,7 @@ def collect_env() -> dict:
     return env
 
 
-def _cpu_model() -> Optional[str]:
+def cpu_model() -> Optional[str]:
     """The CPU's model name (/proc/cpuinfo; platform's processor elsewhere): which box measured."""
     try:
         with open("/proc/cpuinfo") as f:

@@ -9,11 +9,9 @@ real (worker processes, the same profile) and prints predicted against measured 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from pdlab.measure.confidence import estimate
 from pdlab.measure.summary import summarize_run
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.sim.experiment import simulate_recipe
@@ -124,6 +122,3 @@ def relative_error(predicted: Optional[float], measured: Optional[float]) -> Opt
         return None
     return (predicted - measured) / measured
 
-
-def mean_of(values: list[Optional[float]]) -> Optional[float]:
-    return estimate(values).mean

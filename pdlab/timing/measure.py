@@ -279,9 +279,9 @@ def describe_device(device: str, threads: int) -> str:
     if device.startswith("cuda"):
         props = torch.cuda.get_device_properties(torch.device(device))
         return f"{props.name} {props.total_memory / 1e9:.0f}GB"
-    from pdlab.commands.doctor import cpu_info
+    from pdlab.measure.records import cpu_model
 
-    return f"{cpu_info()['model'] or 'CPU'} ({os.cpu_count()} cores), {threads} thread{'s' if threads != 1 else ''}"
+    return f"{cpu_model() or 'CPU'} ({os.cpu_count()} cores), {threads} thread{'s' if threads != 1 else ''}"
 
 
 def kv_memory_gb(device: str) -> float:

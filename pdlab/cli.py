@@ -8,7 +8,7 @@ from typing import Any, List, Optional
 import typer
 from typer.core import TyperCommand, TyperGroup, TyperOption
 
-from pdlab.constants import API_KEY_ENV, SERVE_HOST, SERVE_PORT, SERVE_SHUTDOWN_TIMEOUT_S
+from pdlab.constants import API_KEY_ENV, JOIN_TIMEOUT_S, SERVE_HOST, SERVE_PORT, SERVE_SHUTDOWN_TIMEOUT_S
 
 
 def _clean_types(params: list) -> list:
@@ -102,11 +102,58 @@ def doctor(
                                         "rounded down to whole KV blocks; the GPU probes copy the same blocks in "
                                         "bfloat16, half the bytes (default: a 2048-token cpu-demo prompt's KV, "
                                         "4.2 MB)"),
+    peer: Optional[str] = typer.Option(None, "--peer", metavar="tcp://HOST:PORT",
+                                       help="Instead: listen there as a run's router would, wait for a node's "
+                                            "`pdlab worker --join`, and measure NIXL to it (pull and push at a few "
+                                            "sizes, latency, the path UCX took)"),
+    keys: Optional[str] = typer.Option(None, "--keys", metavar="DIR", help="--peer: the cluster's keys (pdlab keys "
+                                                                           "init)"),
+    insecure: bool = typer.Option(False, "--insecure", help="--peer: plain TCP, no keys"),
+    ucx_tls: str = typer.Option("auto", "--ucx-tls", metavar="LIST", help="--peer: UCX_TLS on this side, as "
+                                                                         "nixl.ucx_tls"),
+    wait: float = typer.Option(JOIN_TIMEOUT_S, "--wait", metavar="S", help="--peer: seconds to wait for the node"),
 ) -> None:
-    """Devices, memory, GPU peer topology and a measured probe per KV transport."""
+    """Devices, memory, GPU peer topology and a measured probe per KV transport; or NIXL to another node."""
     from pdlab.commands.doctor import main
 
-    raise typer.Exit(main(json_, probe_mb))
+    raise typer.Exit(main(json_, probe_mb, peer, keys, insecure, ucx_tls, wait))
+
+
+@app.command(cls=_Command)
+def worker(
+    join: str = typer.Option(..., "--join", metavar="tcp://HOST:PORT", help="The run's control address (the "
+                                                                             "recipe's control.address)"),
+    devices: List[str] = typer.Option(..., "--devices", metavar="DEVICES", help="The devices this node lends, e.g. "
+                                                                                 "cpu:2-3 or cuda:0-7"),
+    name: Optional[str] = typer.Option(None, "--name", metavar="NAME", help="This node's name in recipes (b: "
+                                                                           "devices b:cpu:2; default: the host "
+                                                                           "name)"),
+    keys: Optional[str] = typer.Option(None, "--keys", metavar="DIR", help="The cluster's keys (pdlab keys init "
+                                                                           "DIR, copied here)"),
+    insecure: bool = typer.Option(False, "--insecure", help="Plain TCP, no keys (a recipe with control: "
+                                                             "{insecure: true})"),
+    once: bool = typer.Option(False, "--once", help="Exit after one run's workers here ended (default: wait for "
+                                                    "the next)"),
+) -> None:
+    """Offer this machine's devices to runs: start the workers a run places on this node, stop them when it
+    ends or its router goes away."""
+    from pdlab.commands.worker import main
+
+    raise typer.Exit(main(join, devices, name, keys, insecure, once))
+
+
+keys_app = typer.Typer(cls=_Group, help="A cluster's CurveZMQ keys, for a control plane on TCP.", no_args_is_help=True)
+app.add_typer(keys_app, name="keys")
+
+
+@keys_app.command("init", cls=_Command)
+def keys_init(
+    directory: str = typer.Argument(..., metavar="DIR", help="A new (or empty) directory for the keys"),
+) -> None:
+    """Write a new cluster's keys to DIR, readable by you only; copy DIR to every node."""
+    from pdlab.commands.keys import init_main
+
+    raise typer.Exit(init_main(directory))
 
 
 @app.command(cls=_Command)

@@ -93,6 +93,16 @@ CPU_KERNEL_ENV = "PDLAB_CPU_KERNEL"
 CPU_KERNEL_MODES = ("auto", "on", "off")
 SERVE_SHUTDOWN_TIMEOUT_S = 60.0  # pdlab serve: SIGTERM lets requests in flight finish this long, then cancels
 
+# ---- nodes: `pdlab worker` on another machine (pdlab.serve.agent), the control plane on TCP (pdlab.serve.curve) ----
+JOIN_TIMEOUT_S = 120.0  # a run waits this long for the nodes its workers are placed on (control.join_timeout_s)
+NODE_IDENTITY = "node:"  # an agent's identity on the router's socket is this plus its node name
+# a cluster's CurveZMQ keys (`pdlab keys init DIR`): ZeroMQ certificate files, the *_secret ones hold the secret
+# key too; the router serves with `server`, agents and workers connect with `client`
+KEY_FILES = ("server.key", "server.key_secret", "client.key", "client.key_secret")
+KEY_DIR_MODE, KEY_FILE_MODE = 0o700, 0o600  # readable by the owner only; looser keys are refused, as ssh does
+ZAP_DOMAIN = "pdlab"  # ZeroMQ's authentication domain of the control plane
+PEER_PROBE_SIZES = (64 * 1024, 1024 * 1024, 16 * 1024 * 1024, 64 * 1024 * 1024)  # doctor --peer, bytes per copy
+
 
 def cdiv(a: int, b: int) -> int:
     """Ceiling division: blocks needed for `a` tokens at `b` tokens per block."""

@@ -1,4 +1,4 @@
-"""Device specs: `cpu:0`, `cpu:0-1`, `cuda:0-3`, `cuda:4,5`, or lists of such.
+"""Device specs: `cpu:0`, `cpu:0-1`, `cuda:0-3`, `cuda:4,5`, or lists of such; `b:cpu:2` names node b's.
 
 A spec names devices by kind and index. On CPU an index is a core (a worker is pinned to its cores);
 on CUDA it is a GPU (a worker sees only its GPUs through CUDA_VISIBLE_DEVICES).
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Iterable, Union
+from typing import Iterable, Optional, Union
 
 KINDS = ("cpu", "cuda")
 _SPEC = re.compile(r"^(cpu|cuda):(.+)$")
@@ -98,3 +98,31 @@ def format_devices(devices: Iterable[Device]) -> str:
             parts.append(f"{start}" if start == prev else f"{start}-{prev}")
             start = cur
     return f"{kind}:{','.join(parts)}"
+
+
+# ---- nodes: `b:cpu:2` is core 2 of node b (a machine whose `pdlab worker` joined the run) ----
+_NODE = re.compile(r"^([A-Za-z][A-Za-z0-9_-]{0,62}):((?:cpu|cuda):.*)$")
+
+
+def check_node_name(name: object) -> str:
+    """A node's name: a letter, then letters, digits, '-' or '_' (at most 63), and not a device kind."""
+    if not isinstance(name, str) or not _NODE.match(f"{name}:cpu:0") or name in KINDS:
+        raise ValueError(f"bad node name {name!r}: expected a letter then letters, digits, '-' or '_' (not "
+                         f"{' or '.join(KINDS)}), e.g. b or node-2")
+    return name
+
+
+def split_node(spec: str) -> tuple[Optional[str], str]:
+    """`b:cpu:2-3` -> ("b", "cpu:2-3"); `cpu:0` -> (None, "cpu:0"): devices without a node are the run's own
+    machine's. Only a device kind after the name makes it a node (`gpu:0` stays a bad device spec); the device
+    part is not checked here (parse_devices does)."""
+    text = str(spec).strip()
+    m = _NODE.match(text)
+    if m and m.group(1) not in KINDS:
+        return m.group(1), m.group(2)
+    return None, text
+
+
+def on_node(node: Optional[str], spec: str) -> str:
+    """The inverse of split_node: `b:cpu:2`, or `cpu:2` for the run's own machine."""
+    return f"{node}:{spec}" if node else spec

@@ -3,6 +3,8 @@
 Devices (CPU cores and memory; GPUs through nvidia-ml-py: name, memory, driver, peer-access / NVLink
 matrix) and one probe per transport: effective GB/s of a KV-sized hand-over next to a plain copy of the
 same bytes in the same run. A transport that is unavailable, or would take a slower path, says why.
+With `--peer tcp://HOST:PORT`: NIXL to another node, whose agent (`pdlab worker --join`) joins the doctor as it
+would join a run (pdlab.serve.peer_doctor): pull and push at a few sizes, latency, the path UCX took.
 """
 
 from __future__ import annotations
@@ -10,9 +12,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import Any, Optional
 
-from pdlab.constants import SHM_DIR
+from pdlab.constants import JOIN_TIMEOUT_S, SHM_DIR
 
 
 def cpu_info() -> dict:
@@ -102,7 +104,10 @@ def _s(x: Any) -> str:
     return x.decode() if isinstance(x, bytes) else str(x)
 
 
-def main(json_: bool = False, probe_mb: float = 0.0) -> int:
+def main(json_: bool = False, probe_mb: float = 0.0, peer: Optional[str] = None, keys: Optional[str] = None,
+         insecure: bool = False, ucx_tls: str = "auto", wait_s: float = JOIN_TIMEOUT_S) -> int:
+    if peer is not None:
+        return peer_main(peer, keys, insecure, ucx_tls, wait_s, json_)
     import torch
 
     from pdlab.kv.probe import kv_shape, probe_all, shape_for_mb
@@ -168,3 +173,53 @@ def _print(r: dict) -> None:
             t.add_row("", "scattered blocks", f"{s['handover_gbps']:.1f}", f"{s['baseline_gbps']:.1f}",
                       f"{s['ratio']:.0%}", "destination blocks not contiguous (a pool after churn)")
     con.print(t)
+
+
+def peer_main(peer: str, keys: Optional[str], insecure: bool, ucx_tls: str, wait_s: float, json_: bool) -> int:
+    from pdlab.recipe import RecipeError
+    from pdlab.recipe.nixl import INSTALL_HINT, nixl_module
+    from pdlab.recipe.nodes import ControlSpec
+    from pdlab.serve.curve import ClusterKeys, KeysError
+    from pdlab.serve.peer_doctor import PeerError, probe_peer
+
+    def err(msg: str) -> int:
+        print(f"pdlab doctor: error: {msg}", file=sys.stderr)
+        return 2
+
+    try:
+        if not ControlSpec.from_raw(peer, "--peer").tcp:
+            raise RecipeError("")
+    except RecipeError:
+        return err(f"--peer {peer}: expected tcp://HOST:PORT (the address the node's `pdlab worker --join`s)")
+    if nixl_module() is None:
+        return err(f"--peer measures NIXL, which is not installed: {INSTALL_HINT}")
+    if (keys is None) == (not insecure):
+        return err("give --keys DIR (the cluster's keys) or --insecure (plain TCP)")
+    try:
+        server = ClusterKeys.load(keys, server=True) if keys else None
+    except KeysError as e:
+        return err(f"--keys: {e}")
+    say = (lambda s: print(s, file=sys.stderr, flush=True)) if json_ else (lambda s: print(s, flush=True))
+    try:
+        report = probe_peer(peer, server, wait_s, ucx_tls, say=say)
+    except PeerError as e:
+        print(f"pdlab doctor: {e}", file=sys.stderr)
+        return 1
+    if json_:
+        print(json.dumps(report, indent=2))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    con = Console(width=None if sys.stdout.isatty() else 160)
+    t = Table("bytes", "blocks", "pull (READ) GB/s", "pull p50 ms", "push (WRITE) GB/s", "push p50 ms",
+              title=f"NIXL to node {report['node']} ({report['host']}) via {report['path']}, best of "
+                    f"{report['sizes'][0]['repeats']}, every copy checked")
+    for r in report["sizes"]:
+        t.add_row(f"{r['bytes'] / 1e6:.2f} MB", str(r["blocks"]), f"{r['read_gbps']:.2f}", f"{r['read_ms_p50']:.2f}",
+                  f"{r['write_gbps']:.2f}", f"{r['write_ms_p50']:.2f}")
+    con.print(t)
+    con.print(f"latency: {report['latency_ms']:.3f} ms for {report['latency_bytes'] / 1e3:.0f} kB (pull, median)")
+    if report["warning"]:
+        con.print(f"[yellow]{report['warning']}[/]")
+    return 0

@@ -8,7 +8,10 @@
         c.abort("r1")             # its client gave up: every worker lets go, RequestDone(ok=False) follows
 
 A deployment this machine cannot run (a core or GPU it does not have) raises ClusterError before any
-process starts (see pdlab.serve.topology); its shape was checked by the recipe layer. `stop()`
+process starts (see pdlab.serve.topology); its shape was checked by the recipe layer. A tcp:// control
+plane is CurveZMQ (pdlab.serve.curve, pdlab.serve.guard) unless the recipe says `insecure: true`. Workers
+placed on other nodes are started there by the node's agent (`pdlab worker`), which the launcher waits for
+(pdlab.serve.nodes); `start()` raises ClusterError naming a node that did not join in time. `stop()`
 is idempotent and also runs on `__exit__`, at interpreter exit, and when start() fails: workers are
 told to stop, then terminated, then killed; sockets and the private socket directory are removed and
 the run's shared-memory segments swept, even those of a worker that died by SIGKILL.
@@ -25,15 +28,18 @@ import tempfile
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
-from pdlab.constants import HEARTBEAT_TIMEOUT_S, READY_TIMEOUT_S, REAP_TIMEOUT_S, STOP_TIMEOUT_S
+from pdlab.constants import HEARTBEAT_TIMEOUT_S, NODE_IDENTITY, READY_TIMEOUT_S, REAP_TIMEOUT_S, STOP_TIMEOUT_S
 from pdlab.engine.config import EngineConfig
 from pdlab.kv import shm
 from pdlab.recipe.deployment import Deployment
 from pdlab.recipe.model import ModelSpec
 from pdlab.serve import messages as m
+from pdlab.serve.curve import ClusterKeys, KeysError, serve as curve_serve
+from pdlab.serve.guard import Guard, log as control_log
+from pdlab.serve.nodes import NodeLink, RemoteProc
 from pdlab.serve.router import (RequestDone, Router, StepEvent, TokenEvent, TransferEvent, WorkerFailed,
                                 WorkerState)
 from pdlab.serve.topology import ClusterError, place
@@ -43,6 +49,7 @@ __all__ = ["Cluster", "ClusterError", "WorkerInfo", "TokenEvent", "RequestDone",
            "WorkerFailed"]
 
 _live: "weakref.WeakSet[Cluster]" = weakref.WeakSet()
+_warned_insecure: set[str] = set()
 
 
 @dataclass
@@ -73,11 +80,13 @@ class Cluster:
         self._wake_fds: Optional[tuple[int, int]] = None
         self._poller: Any = None
         self._woken = False
+        self._guard: Optional[Guard] = None  # tcp:// with keys: who may connect (pdlab.serve.guard)
+        self._nodes: Optional[NodeLink] = None  # workers on other nodes (pdlab.serve.nodes)
 
     @property
     def workers(self) -> list[WorkerInfo]:
         procs = self.router.workers if self.router else {}
-        return [WorkerInfo(w.name, w.role, list(w.devices), getattr(procs.get(w.name), "proc", None) and
+        return [WorkerInfo(w.name, w.role, list(w.where), getattr(procs.get(w.name), "proc", None) and
                            procs[w.name].proc.pid, dict(getattr(procs.get(w.name), "kernels", {}) or {}))
                 for w in self.deployment.workers]
 
@@ -98,12 +107,16 @@ class Cluster:
         try:
             self._dir = tempfile.mkdtemp(prefix="pdlab-", dir=self.run_tmp)  # mode 0700: only we can connect
             d = self.deployment
-            endpoint = d.control or f"ipc://{self._dir}/router"
+            endpoint = d.control.address if d.control else f"ipc://{self._dir}/router"
             self._ctx = zmq.Context()
             self._sock = self._ctx.socket(zmq.ROUTER)
             self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
             self._sock.setsockopt(zmq.LINGER, 0)
-            self._sock.bind(endpoint)
+            keys = self._secure(endpoint)  # our workers' member keys, or None
+            try:
+                self._sock.bind(endpoint)
+            except zmq.ZMQError as e:
+                raise ClusterError(f"deployment.control: cannot listen on {endpoint}: {e.strerror}") from None
             self._wake_fds = os.pipe()
             for fd in self._wake_fds:
                 os.set_blocking(fd, False)
@@ -116,6 +129,7 @@ class Cluster:
                                  step_timeout_s=d.step_timeout_s, on_transfer_failure=d.on_transfer_failure,
                                  remote_prefill_min_tokens=d.route.remote_prefill_min_tokens)
             ctx = mp.get_context("spawn")
+            remote: dict[str, list[dict]] = {}
             for p, w in zip(self.placements, states):
                 spec = WorkerSpec(p.worker.name, p.worker.role, p.worker.devices, endpoint, self.model, self.engine,
                                   self.seed, d.transport if d.disaggregated else None, d.mode, self.run_prefix,
@@ -124,14 +138,71 @@ class Cluster:
                                   memory_share=p.memory_share, host_cores=p.host_cores,
                                   peers=tuple(o.name for o in d.workers if d.disaggregated and o.role != p.worker.role),
                                   report_cache=p.worker.role == "decode" and self._mirror_caches(d))
+                if p.worker.node:  # its node's agent starts it, with the agent's own keys
+                    remote.setdefault(p.worker.node, []).append(spec.to_raw())
+                    continue
+                spec = replace(spec, curve=keys)
                 w.proc = ctx.Process(target=run_worker, args=(spec.to_raw(),), name=f"pdlab-{p.worker.name}",
                                      daemon=True)
                 w.proc.start()
                 w.last_hb = time.monotonic() + 60  # grace for imports before the first heartbeat
+            if remote:
+                self._nodes = NodeLink(lambda ident, frame: self._sock.send_multipart([ident, frame]),
+                                       secrets.token_hex(8), self.run_prefix, d.to_raw(), remote,
+                                       self.heartbeat_timeout_s)
+                procs = {name: proc for on_node in self._nodes.procs.values() for name, proc in on_node.items()}
+                for w in states:
+                    w.proc = procs.get(w.name, w.proc)
+                self._wait_nodes()
             self._wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
+
+    def _secure(self, endpoint: str) -> Optional[dict]:
+        """A tcp:// control plane: CURVE with the cluster's keys (or keys made for this run when no other node
+        takes part), the guard at the door; `insecure: true`: plain TCP, with a warning. Returns the member keys
+        of our own workers (None: plain)."""
+        c = self.deployment.control
+        if c is None or not c.tcp:
+            return None
+        if c.insecure:
+            if endpoint not in _warned_insecure:
+                _warned_insecure.add(endpoint)
+                control_log.warning("pdlab: warning: deployment.control: insecure: true: plain TCP on %s; anyone "
+                                    "who can reach it can read the control plane and drive the workers", endpoint)
+            return None
+        try:
+            keys = ClusterKeys.load(c.keys, server=True) if c.keys else ClusterKeys.for_run()
+        except KeysError as e:
+            raise ClusterError(f"deployment.control.keys: {e}") from None
+        curve_serve(self._sock, keys)
+        member, public = keys.run_member()
+        self._guard = Guard(self._ctx, self._sock, {keys.client_public, public}, endpoint)
+        return member
+
+    def _wait_nodes(self) -> None:
+        """Until every node this deployment places workers on has joined and been sent its workers."""
+        c, nodes = self.deployment.control, self._nodes
+        deadline = time.monotonic() + c.join_timeout_s
+        while nodes.waiting():
+            self._pump(0.1)
+            if nodes.error:
+                raise ClusterError(nodes.error)
+            failed = [e for e in self.router.events if isinstance(e, WorkerFailed)]
+            if failed:
+                raise ClusterError(f"worker {failed[0].worker} failed to start: {failed[0].reason}")
+            if time.monotonic() > deadline:
+                n = nodes.waiting()[0]
+                refused = self._guard.summary() if self._guard else ""
+                keys = f" --keys {c.keys}" if c.keys else " --insecure" if c.insecure else ""
+                raise ClusterError(f"node {n} did not join within {c.join_timeout_s:g}s" +
+                                   (f"; the control plane {refused}" if refused else "") +
+                                   f" (on node {n}: pdlab worker --join {c.address} --devices "
+                                   f"{nodes.describe(n)} --name {n}{keys})")
+        for w in self.router.workers.values():
+            if isinstance(w.proc, RemoteProc):
+                w.last_hb = time.monotonic() + 60  # grace for imports before the first heartbeat
 
     def _mirror_caches(self, d: Any) -> bool:
         """Decode workers report their prefix-cache changes to the router (pdlab.serve.mirror) where its
@@ -174,12 +245,14 @@ class Cluster:
         if self._stopped:
             return
         self._stopped = True
-        procs = [w.proc for w in self.router.workers.values() if w.proc is not None and w.proc.pid is not None] \
-            if self.router else []
+        procs = [w.proc for w in self.router.workers.values() if w.proc is not None and w.proc.pid is not None
+                 and not isinstance(w.proc, RemoteProc)] if self.router else []
         if self.router is not None:
             for w in self.router.workers.values():
                 if w.proc is not None and w.proc.exitcode is None:
                     self.router.send(w.name, m.Stop())
+        if self._nodes is not None:
+            self._nodes.end()  # each agent makes sure its workers are gone, then says Ended (awaited below)
         deadline = time.monotonic() + timeout / 2
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
@@ -194,6 +267,13 @@ class Cluster:
         deadline = time.monotonic() + REAP_TIMEOUT_S
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
+        if self._nodes is not None:
+            # an agent escalates as we do (Stop, SIGTERM, SIGKILL, reap): give it as long, plus a heartbeat
+            deadline = time.monotonic() + timeout + REAP_TIMEOUT_S
+            while not self._nodes.all_ended() and time.monotonic() < deadline:
+                self._pump(0.05)
+        if self._guard is not None:
+            self._guard.close()
         with self._wake_lock:
             if self._wake_fds is not None:
                 for fd in self._wake_fds:
@@ -266,10 +346,17 @@ class Cluster:
                     break
                 if len(frames) == 2:
                     try:
-                        r.dispatch(frames[1])
+                        if frames[0].startswith(NODE_IDENTITY.encode()):
+                            if self._nodes is not None:
+                                self._nodes.dispatch(frames[0], frames[1])
+                        else:
+                            r.dispatch(frames[1])
                     except m.MessageError:
                         pass  # not ours; never executed, just dropped
         r.check_health()
+        if self._nodes is not None:
+            for worker, why in self._nodes.check():
+                r.fail_worker(worker, why)
 
     def _running(self) -> Router:
         if self.router is None or self._stopped:

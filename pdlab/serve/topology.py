@@ -11,11 +11,14 @@ workers share (memory of a shared GPU, host cores) is split here too (pdlab.serv
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
+from typing import Optional
 
 from pdlab import gpus as gpu_inventory
 from pdlab.devices import parse_devices
 from pdlab.recipe.deployment import Deployment, PlannedWorker
+from pdlab.recipe.nodes import ControlSpec
 from pdlab.serve.sharing import host_cores, memory_shares
 
 
@@ -50,41 +53,52 @@ def gpu_ids() -> list[str]:
     return gpu_inventory.gpu_entries()
 
 
-def place(deployment: Deployment, peer_access: gpu_inventory.PeerAccess = gpu_inventory.nvml_peer_access
-          ) -> list[Placement]:
-    """Check that every worker's devices exist and are visible to this process (and, for cuda-ipc across GPUs,
-    can reach each other); say what each may see and what share of its GPUs it gets."""
+def place(deployment: Deployment, peer_access: gpu_inventory.PeerAccess = gpu_inventory.nvml_peer_access,
+          node: Optional[str] = None) -> list[Placement]:
+    """Check that the devices of every worker on `node` (None: this machine, the launcher's) exist and are
+    visible to this process (and, for cuda-ipc across GPUs, can reach each other); say what each may see and
+    what share of its GPUs it gets. Workers on other nodes are placed by their node's agent (`node` there):
+    here they get a bare Placement, in the deployment's order."""
+    if node is None and deployment.control is not None:
+        _check_control(deployment.control)
+    mine = [w for w in deployment.workers if w.node == node]
+    placed = {p.worker.name: p for p in _place(deployment, mine, peer_access)}
+    return [placed.get(w.name) or Placement(w) for w in deployment.workers]
+
+
+def _place(deployment: Deployment, workers: list[PlannedWorker], peer_access: gpu_inventory.PeerAccess
+           ) -> list[Placement]:
     cores = cpu_cores() if deployment.device_kind == "cpu" else []
     gpus = gpu_ids() if deployment.device_kind == "cuda" else []
-    for w in deployment.workers:
+    for w in workers:
         for d in parse_devices(list(w.devices)):
             if d.kind == "cpu" and d.index not in cores:
                 raise ClusterError(f"worker {w.name}: {d} does not exist (this process may use cores "
                                    f"{cores[0]}-{cores[-1]})")
             if d.kind == "cuda" and d.index >= len(gpus):
                 raise ClusterError(f"worker {w.name}: {d} does not exist ({len(gpus)} CUDA devices visible)")
-    if deployment.device_kind != "cuda":
-        return [Placement(w) for w in deployment.workers]
-    own_of = {w.name: [gpus[d.index] for d in parse_devices(list(w.devices))] for w in deployment.workers}
+    if deployment.device_kind != "cuda" or not workers:
+        return [Placement(w) for w in workers]
+    own_of = {w.name: [gpus[d.index] for d in parse_devices(list(w.devices))] for w in workers}
     if deployment.disaggregated and deployment.transport == "cuda-ipc":
-        _check_peer_access(deployment, own_of, peer_access)
-    shares = memory_shares([own_of[w.name] for w in deployment.workers])
-    cores = host_cores(cpu_cores(), len(deployment.workers))
+        _check_peer_access(workers, own_of, peer_access)
+    shares = memory_shares([own_of[w.name] for w in workers])
+    cores = host_cores(cpu_cores(), len(workers))
     out = []
-    for w, share, mine in zip(deployment.workers, shares, cores):
+    for w, share, mine in zip(workers, shares, cores):
         own = own_of[w.name]
         peers = []
         if deployment.disaggregated and deployment.transport == "cuda-ipc":  # to open the peers' handles
             other = "decode" if w.role == "prefill" else "prefill"
-            peers = [g for p in deployment.workers if p.role == other for g in own_of[p.name]]
+            peers = [g for p in workers if p.role == other for g in own_of[p.name]]
         visible = tuple(own + [g for g in dict.fromkeys(peers) if g not in own])
         out.append(Placement(w, visible, share, mine))
     return out
 
 
-def _check_peer_access(deployment: Deployment, own_of: dict[str, list[str]],
+def _check_peer_access(workers: list[PlannedWorker], own_of: dict[str, list[str]],
                        peer_access: gpu_inventory.PeerAccess) -> None:
-    pairs = [(a, b) for p in deployment.workers if p.role == "prefill" for d in deployment.workers
+    pairs = [(a, b) for p in workers if p.role == "prefill" for d in workers
              if d.role == "decode" for a in own_of[p.name][:1] for b in own_of[d.name][:1]]
     bad = gpu_inventory.no_peer_pairs(pairs, peer_access)
     if bad:
@@ -92,3 +106,25 @@ def _check_peer_access(deployment: Deployment, own_of: dict[str, list[str]],
         raise ClusterError(f"transport cuda-ipc between GPU {a} and GPU {b}: no peer access between them (or "
                            "NVML cannot tell), so a copy would be staged through the host unordered against "
                            "the peer's stream; use transport: host, or place both workers on GPUs with peer access")
+
+
+def _check_control(control: ControlSpec) -> None:
+    """The router's keys load, and its tcp:// address can be listened on here (a free port of this machine)."""
+    if control.keys is not None:
+        from pdlab.serve.curve import ClusterKeys, KeysError
+
+        try:
+            ClusterKeys.load(control.keys, server=True)
+        except KeysError as e:
+            raise ClusterError(f"deployment.control.keys: {e}") from None
+    if control.tcp:
+        host, _, port = control.address[len("tcp://"):].rpartition(":")
+        host = host.strip("[]")
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as ZeroMQ listens
+            try:
+                s.bind(("" if host in ("*", "0.0.0.0") else host, int(port)))
+            except OSError as e:
+                raise ClusterError(f"deployment.control: cannot listen on {control.address} here: {e.strerror}"
+                                   ) from None

@@ -20,6 +20,7 @@ from pdlab.constants import HEARTBEAT_S
 from pdlab.engine.config import EngineConfig
 from pdlab.recipe.model import ModelSpec
 from pdlab.serve import messages as m
+from pdlab.serve.curve import connect_as_member
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,9 @@ class WorkerSpec:
     host_cores: tuple[int, ...] = ()  # a GPU worker's host cores (pinned, one torch thread each)
     peers: tuple[str, ...] = ()  # the workers of the other role (cuda-ipc: one pool export each)
     report_cache: bool = False  # decode role, selective routing: report prefix-cache changes (CacheEvents)
+    # a tcp:// control plane's member keys (pdlab.serve.curve.ClusterKeys.member): put here by whoever spawns the
+    # worker (the launcher, or the agent of its node), in memory; never part of a control message
+    curve: Optional[dict] = None
 
     def to_raw(self) -> dict:
         """Plain data for the spawn arguments: nothing pickled needs pdlab classes."""
@@ -114,6 +118,7 @@ class Worker:
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, spec.name.encode())  # the router addresses us by name
         self.sock.setsockopt(zmq.LINGER, 1000)
+        connect_as_member(self.sock, spec.curve)
         self.sock.connect(spec.endpoint)
         self.loop_t = time.monotonic()
         self.stopping = threading.Event()
@@ -177,6 +182,7 @@ class Worker:
         hb = self.ctx.socket(zmq.DEALER)
         hb.setsockopt(zmq.IDENTITY, f"{self.name}#hb".encode())
         hb.setsockopt(zmq.LINGER, 0)
+        connect_as_member(hb, self.spec.curve)
         hb.connect(self.spec.endpoint)
         try:
             while not self.stopping.wait(self.spec.heartbeat_s):

@@ -51,7 +51,7 @@ def measure(tokens: int, repeats: int, ucx_tls: str) -> tuple[list[dict], str]:
     from pdlab.kv import shm
     from pdlab.kv.nixl_probe import nixl_pair
     from pdlab.kv.probe import kv_shape
-    from pdlab.kv.transfer import copy_blocks
+    from pdlab.kv.copy import copy_blocks
 
     shape = kv_shape("cpu-demo", tokens)
     n, layers = shape[2], shape[0]

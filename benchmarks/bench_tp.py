@@ -78,7 +78,7 @@ def handover(preset: str, dtype: str, tokens: int, reps: int) -> dict:
     a == b copies whole shards, a != b re-slices heads (target: at least 70% of the same-TP bandwidth)."""
     from pdlab.engine.model import PRESETS
     from pdlab.kv.sharded import ShardedPool, copy_sharded, shard_heads
-    from pdlab.kv.transfer import copy_blocks
+    from pdlab.kv.copy import copy_blocks
 
     p = PRESETS[preset]
     bs, head_dim = 16, p.head_dim or p.hidden_size // p.heads
@@ -114,7 +114,7 @@ def handover_nixl(preset: str, dtype: str, tokens: int, reps: int) -> dict:
         return {"skipped": "nixl extra not installed"}
     from pdlab.engine.model import PRESETS
     from pdlab.kv.sharded import ShardedPool, shard_heads
-    from pdlab.kv.transfer import make_transport
+    from pdlab.kv.factory import make_transport
 
     p = PRESETS[preset]
     bs, head_dim = 16, p.head_dim or p.hidden_size // p.heads

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from pdlab.kv.cuda_ipc import CudaIpcTransport, own_handle
-from pdlab.kv.transfer import block_runs, host_device_pieces, make_transport
+from pdlab.kv.copy import block_runs, host_device_pieces
+from pdlab.kv.factory import make_transport
 
 SHAPE = (3, 2, 10, 4, 2, 8)  # layers, K|V, blocks, block_size, kv_heads, head_dim
 

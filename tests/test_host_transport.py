@@ -13,7 +13,7 @@ import engine_helpers as eh
 from pdlab.engine.config import EngineConfig
 from pdlab.kv import shm
 from pdlab.kv.host import HostTransport
-from pdlab.kv.transfer import copy_blocks
+from pdlab.kv.copy import copy_blocks
 from pdlab.recipe import Deployment, ModelSpec, RecipeError
 from pdlab.serve.cluster import Cluster, RequestDone, TransferEvent
 

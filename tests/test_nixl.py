@@ -24,7 +24,7 @@ DISAGG = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "
 @pytest.fixture(scope="module")
 def pair():
     """A prefill-side and a decode-side transport, each with its own pool, peers opened from msgpack'd handles."""
-    from pdlab.kv.transfer import make_transport
+    from pdlab.kv.factory import make_transport
 
     before = set(shm.created_names())
     a = make_transport("nixl", "prefill0", "pdlab-test-", options={"ucx_tls": "tcp,sm,self"})
@@ -193,7 +193,7 @@ def test_groups_of_other_sizes_reslice_heads(a, b, mode):
     """Tensor-parallel groups over NIXL: every destination shard gets exactly its heads of the requested
     blocks, shard to shard where the groups line up and through a staging buffer where they do not."""
     from pdlab.kv.sharded import ShardedPool, shard_heads
-    from pdlab.kv.transfer import make_transport
+    from pdlab.kv.factory import make_transport
 
     heads, shape = 4, (2, 2, 12, 4, 4, 8)
     full = torch.randn(shape, generator=torch.Generator().manual_seed(a * 10 + b))

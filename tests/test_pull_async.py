@@ -14,7 +14,7 @@ import torch
 
 from pdlab.engine import SamplingParams
 from pdlab.kv.pull import PullCopier
-from pdlab.kv.transfer import block_bytes, copy_blocks
+from pdlab.kv.copy import block_bytes, copy_blocks
 from pdlab.serve import messages as m
 from pdlab.serve.handlers import RoleHandler
 import engine_helpers as eh

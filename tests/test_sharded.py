@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from pdlab.kv.sharded import ShardedPool, copy_sharded, plan, shard_heads
-from pdlab.kv.transfer import copy_blocks
+from pdlab.kv.copy import copy_blocks
 
 L, B, BS, H, D = 2, 8, 4, 4, 3
 

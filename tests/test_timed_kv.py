@@ -16,7 +16,7 @@ from pdlab.engine.timed import KV_VALUES, kv_values
 from pdlab.kv.modelled import modelled_copy
 from pdlab.kv.pull import PullCopier
 from pdlab.kv.push import PushCopier, PushJob
-from pdlab.kv.transfer import copy_blocks
+from pdlab.kv.copy import copy_blocks
 from pdlab.recipe import StepTiming, TimingProfile
 
 TIMING = TimingProfile(step=StepTiming(fixed_ms=0.1))  # fast: these tests are about bytes, not time

@@ -1,10 +1,11 @@
 import pytest
 import torch
 
-from pdlab.kv import shm, transfer
+from pdlab.kv import copy, shm
 from pdlab.kv.push import PushCopier, PushJob
 from pdlab.recipe.nixl import nixl_module
-from pdlab.kv.transfer import ShmTransport, block_bytes, block_runs, copy_blocks, make_transport
+from pdlab.kv.copy import block_bytes, block_runs, copy_blocks
+from pdlab.kv.factory import make_transport
 
 SHAPE = (3, 2, 16, 4, 2, 8)
 
@@ -29,7 +30,7 @@ def test_block_runs():
     (list(range(0, 16, 2)) + list(range(1, 16, 2)), list(reversed(range(16)))),  # 16 runs
 ])
 def test_copy_blocks_moves_exactly_those_blocks(src, dst, torch_runs, monkeypatch):
-    monkeypatch.setattr(transfer, "_CPU_TORCH_RUNS", torch_runs)
+    monkeypatch.setattr(copy, "_CPU_TORCH_RUNS", torch_runs)
     a, b = _pool(0), _pool(1)
     before = b.clone()
     n = copy_blocks(a, src, b, dst)
@@ -51,7 +52,7 @@ def test_copy_one_layer_at_a_time_equals_whole_copy():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_copy_half_dtypes_bit_exact(dtype, monkeypatch):
-    monkeypatch.setattr(transfer, "_CPU_TORCH_RUNS", 0)
+    monkeypatch.setattr(copy, "_CPU_TORCH_RUNS", 0)
     a, b = _pool(0).to(dtype), torch.zeros(SHAPE, dtype=dtype)
     copy_blocks(a, [3, 1], b, [0, 9], layer=1)
     assert torch.equal(b[1, :, [0, 9]], a[1, :, [3, 1]]) and not b[0].any()

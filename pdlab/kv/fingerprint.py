@@ -7,7 +7,7 @@ tensor-parallel degrees may differ: a hand-over between groups re-slices heads (
 is reported, not compared.
 Each worker reports its fingerprint in `Ready`, over the control plane (so this holds across nodes as
 well); the launcher pairs every prefill worker with every decode worker and refuses, in one line naming the
-first difference, before any request is sent. Copies check shapes too (pdlab.kv.transfer.copy_blocks), but
+first difference, before any request is sent. Copies check shapes too (pdlab.kv.copy.copy_blocks), but
 only per request, and equal shapes do not mean equal models.
 """
 

@@ -7,7 +7,7 @@ the decode worker's mirror, layer by layer; the decode worker copies the written
 (`stage_in`) when the Admit lands (pdlab.serve.intake), before the request decodes.
 
 On GPUs the pool is device memory, the mirror is pinned (cudaHostRegister) and a stage is a D2H or H2D copy in
-pieces contiguous on both sides (a DMA each, pdlab.kv.transfer.host_device_pieces): it works between GPUs
+pieces contiguous on both sides (a DMA each, pdlab.kv.copy.host_device_pieces): it works between GPUs
 without peer access and costs host memory equal to the pool (a bounded staging area would need mirror slots
 in the hand-over messages: not done). On CPU the same code runs with a stage that is a plain copy, so every
 step of the GPU path, push's stage-in included, runs in the CPU suite with token parity
@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 import torch
 
 from pdlab.kv import shm
-from pdlab.kv.transfer import Transport, copy_blocks
+from pdlab.kv.copy import copy_blocks
+from pdlab.kv.transfer import Transport
 
 
 class HostTransport(Transport):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from pdlab.kv.transfer import copy_blocks
+from pdlab.kv.copy import copy_blocks
 
 
 def modelled_copy(block_bytes: int, layers: int, timing: Any) -> Callable[..., int]:

@@ -40,7 +40,8 @@ import numpy as np
 import torch
 
 from pdlab.kv.sharded import ShardedPool, as_sharded, copy_heads, plan, whole
-from pdlab.kv.transfer import Transport, block_bytes, copy_blocks
+from pdlab.kv.copy import block_bytes, copy_blocks
+from pdlab.kv.transfer import Transport
 from pdlab.kv.ucx_log import read_lanes, ucx_log_file
 from pdlab.recipe.nixl import INSTALL_HINT, nixl_module, resolve_ucx_tls
 

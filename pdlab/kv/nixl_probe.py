@@ -16,7 +16,7 @@ from typing import Iterator
 
 import torch
 
-from pdlab.kv.probe import ProbeResult, _best
+from pdlab.kv.probe_result import ProbeResult, best_of
 from pdlab.recipe.nixl import INSTALL_HINT, nixl_module, rdma_devices
 
 
@@ -67,8 +67,8 @@ def probe_nixl(shape: tuple[int, ...], repeats: int = 20, scattered: bool = Fals
             nbytes = a.pool.numel() * a.pool.element_size()
             flat_a = torch.ones(a.pool.numel(), dtype=a.pool.dtype)
             flat_b = torch.empty_like(flat_a)
-            base = _best(lambda: flat_b.copy_(flat_a), lambda: None, repeats)
-            hand = _best(lambda: b.copy(prefill_pool, src_blocks, b.pool, dst_blocks), lambda: None, repeats)
+            base = best_of(lambda: flat_b.copy_(flat_a), lambda: None, repeats)
+            hand = best_of(lambda: b.copy(prefill_pool, src_blocks, b.pool, dst_blocks), lambda: None, repeats)
             if not torch.equal(b.pool[:, :, dst_blocks], a.pool):
                 return ProbeResult("nixl", False, "the READ completed but the blocks differ: NIXL path broken")
             lanes = prefill_pool.path

@@ -11,34 +11,15 @@ opened it the copy is the same device/peer copy measured here.
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 
 from pdlab.constants import cdiv
 from pdlab.kv import shm
-from pdlab.kv.transfer import copy_blocks
-
-
-@dataclass
-class ProbeResult:
-    transport: str
-    available: bool
-    note: str = ""  # why unavailable, or what path it takes
-    bytes: int = 0
-    blocks: int = 0
-    handover_gbps: float = 0.0
-    baseline_gbps: float = 0.0
-    baseline: str = ""
-
-    @property
-    def ratio(self) -> float:
-        return self.handover_gbps / self.baseline_gbps if self.baseline_gbps else 0.0
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "ratio": round(self.ratio, 3)}
+from pdlab.kv.copy import copy_blocks
+from pdlab.kv.nixl_probe import probe_nixl
+from pdlab.kv.probe_result import ProbeResult, best_of
 
 
 def kv_shape(preset: str = "cpu-demo", tokens: int = 2048, block_size: int = 16) -> tuple[int, ...]:
@@ -54,18 +35,6 @@ def shape_for_mb(mb: float, like: tuple[int, ...], itemsize: int = 4) -> tuple[i
     return like[:2] + (max(1, int(mb * 1e6 / per_block)),) + like[3:]
 
 
-def _best(fn: Callable[[], None], sync: Callable[[], None], repeats: int) -> float:
-    fn()
-    sync()  # warm-up: first touch of pages, allocator, lazy init
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _measure(name: str, src: torch.Tensor, dst: torch.Tensor, sync: Callable[[], None], baseline: str,
              scattered: bool, repeats: int, note: str = "") -> ProbeResult:
     n = src.shape[2]
@@ -76,8 +45,8 @@ def _measure(name: str, src: torch.Tensor, dst: torch.Tensor, sync: Callable[[],
     flat_a = torch.empty(nbytes // src.element_size(), dtype=src.dtype, device=src.device)
     flat_b = torch.empty_like(flat_a)
     flat_a.fill_(1)
-    base = _best(lambda: flat_b.copy_(flat_a), sync, repeats)
-    hand = _best(lambda: copy_blocks(src, src_blocks, dst, dst_blocks, non_blocking=True), sync, repeats)
+    base = best_of(lambda: flat_b.copy_(flat_a), sync, repeats)
+    hand = best_of(lambda: copy_blocks(src, src_blocks, dst, dst_blocks, non_blocking=True), sync, repeats)
     return ProbeResult(name, True, note, nbytes, n, nbytes / hand / 1e9, nbytes / base / 1e9, baseline)
 
 
@@ -139,7 +108,7 @@ def _probe_host(src: torch.Tensor, dst_shape: tuple[int, ...], dtype: torch.dtyp
             copy_blocks(mirror.tensor, blocks, dst, blocks, non_blocking=True)
 
         r = _measure("host", src, dst, torch.cuda.synchronize, "device copy cuda:0", scattered, repeats, note)
-        t = _best(handover, torch.cuda.synchronize, repeats)
+        t = best_of(handover, torch.cuda.synchronize, repeats)
         r.handover_gbps = r.bytes / t / 1e9
         return r
     finally:
@@ -147,7 +116,5 @@ def _probe_host(src: torch.Tensor, dst_shape: tuple[int, ...], dtype: torch.dtyp
 
 
 def probe_all(shape: tuple[int, ...], repeats: int = 20, scattered: bool = False) -> list[ProbeResult]:
-    from pdlab.kv.nixl_probe import probe_nixl
-
     return [probe_shm(shape, repeats, scattered)] + probe_cuda(shape, repeats, scattered) + \
         [probe_nixl(shape, repeats, scattered)]

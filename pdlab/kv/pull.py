@@ -26,7 +26,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pdlab.kv.transfer import copy_blocks
+from pdlab.kv.copy import copy_blocks
 
 
 @dataclass

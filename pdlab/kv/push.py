@@ -20,7 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
-from pdlab.kv.transfer import copy_blocks
+from pdlab.kv.copy import copy_blocks
 
 
 @dataclass

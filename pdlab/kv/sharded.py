@@ -6,7 +6,7 @@ contiguous slices when kv_heads >= t, else one head each, replicated on t / kv_h
 group share one block table (the scheduler runs on rank 0), so block i of every shard belongs to the same
 request. A hand-over from a group of a ranks to one of b ranks copies, for every destination shard, each
 of its heads from a source shard that holds it; when a == b and the heads line up, each shard pair is one
-ordinary block copy (pdlab.kv.transfer.copy_blocks).
+ordinary block copy (pdlab.kv.copy.copy_blocks).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from pdlab.engine.tensor_parallel import shard_heads
-from pdlab.kv.transfer import block_runs
+from pdlab.kv.copy import block_runs
 
 
 @dataclass

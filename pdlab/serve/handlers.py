@@ -19,7 +19,8 @@ from pdlab.constants import cdiv
 from pdlab.engine import RequestError, SamplingParams
 from pdlab.kv.push import PushCopier, PushJob
 from pdlab.kv.modelled import modelled_copy
-from pdlab.kv.transfer import TransferRecord, copy_blocks
+from pdlab.kv.copy import copy_blocks
+from pdlab.kv.transfer import TransferRecord
 from pdlab.serve import messages as m
 
 

@@ -137,7 +137,7 @@ class Worker:
             self.transport = None
             kv_alloc = None
             if spec.transport and self.role != "unified":
-                from pdlab.kv.transfer import make_transport
+                from pdlab.kv.factory import make_transport
 
                 self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus,
                                                 {**(spec.nixl or {}), "timeout_s": spec.transfer_timeout_s,

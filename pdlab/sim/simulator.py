@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 from pdlab.engine import Engine, SamplingParams
 from pdlab.engine.model import load_stand_in
-from pdlab.kv.transfer import copy_blocks
+from pdlab.kv.copy import copy_blocks
 from pdlab.measure.metrics import build_request_record
 from pdlab.recipe import SLO, Variant
 from pdlab.workload import WorkloadRequest

@@ -162,6 +162,26 @@ def test_ctrl_c_stops_at_once_and_keeps_what_was_measured(fake, tmp_path):
     assert len(records) == 3 and all(r["cancelled"] and len(r["token_times"]) > 10 for r in records)
 
 
+def test_a_server_that_dies_ends_the_diagnosis_as_partial_with_what_was_measured(fake, tmp_path):
+    f = fake()
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "pdlab.cli", "diagnose", f.url, "--model", "fake-model",
+                             "--steady-s", "60", "--concurrency", "2", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    deadline = time.monotonic() + 60
+    while len([r for r in f.requests() if r["max_tokens"] > 2]) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    time.sleep(1.0)
+    f.stop()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3, err
+    assert "partial: a request failed, so nothing more was sent" in err and "Traceback" not in err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["partial"] and summary["sent"]["requests"] == 2
+    assert all(len(json.loads(x)["token_times"]) > 10 for x in open(out / "requests.jsonl"))
+
+
 def test_a_dry_run_prints_the_plan_and_sends_nothing(fake, tmp_path):
     f = fake()
     p = diagnose(f.url, "--model", "fake-model", "--max-model-len", "4096", "--dry-run", "--out", str(tmp_path / "r"))

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from pdlab.diagnose.budget import Budget, Exhausted
+from pdlab.diagnose.connect import Target
 from pdlab.diagnose.lengths import read_lengths
+from pdlab.diagnose.phases import Runner
 from pdlab.diagnose.plan import CHECK_REQUESTS, Caps, Options, PlanError, build_plan, render
 from pdlab.diagnose.prompts import ID_RANGE, prompt
 
@@ -71,10 +73,19 @@ def test_lengths_from_a_text_file_or_a_runs_records(tmp_path):
 
 
 def test_prompts_are_seeded_fresh_and_in_range():
-    a, b = prompt(1000, 1, False), prompt(1000, 2, False)
-    assert len(a) == 1000 and a == prompt(1000, 1, False) and a[:16] != b[:16]
+    a, b, c = prompt(1000, (7, 1), False), prompt(1000, (7, 2), False), prompt(1000, (8, 1), False)
+    assert len(a) == 1000 and a == prompt(1000, (7, 1), False) and a[:16] != b[:16] and a[:16] != c[:16]
     assert all(ID_RANGE[0] <= t < ID_RANGE[1] for t in a)
-    assert len(prompt(50, 1, True).split()) == 50
+    assert len(prompt(50, (7, 1), True).split()) == 50
+
+
+def test_no_two_diagnoses_send_the_same_probe_prompt():
+    """A prefix cache that kept an earlier diagnosis' probes must not skip this one's prefills."""
+    plan = build_plan(opts(lengths=(500, 1000), repeats=2), 4096)
+    target = Target("http://h/v1", "m", "token_ids", "token_ids", 4096, None)
+    first, second = Runner(plan, target, None), Runner(plan, target, None)
+    prompts = [[s.body["prompt"][:32] for s in r._probes] for r in (first, second)]
+    assert len({tuple(p) for p in prompts[0] + prompts[1]}) == 8
 
 
 class Clock:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -74,10 +75,23 @@ def _show(json_: bool) -> Any:
     return lambda text: print(text, file=stream, flush=True)
 
 
-def _server_run(steps_from: Optional[str]) -> Any:
+RECORDS_WAIT_S = 15.0  # --steps-from: how long the server may take to record the streams the diagnosis cut
+
+
+def _server_run(steps_from: Optional[str], responses: tuple[str, ...] = ()) -> Any:
+    """The server's run directory; with `responses` (the diagnosis' response ids), read once the server has
+    recorded all of them (it records a stream its client cut only once its engine let go of it), or after
+    RECORDS_WAIT_S."""
+    from pdlab.diagnose.agreement import CHOICE_SUFFIX
     from pdlab.measure.records import load_run
 
-    run = load_run(steps_from)
+    deadline = time.monotonic() + RECORDS_WAIT_S
+    while True:
+        run = load_run(steps_from)
+        have = {CHOICE_SUFFIX.sub("", str(r.get("id"))) for r in run.requests}
+        if all(r in have for r in responses) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
     if not run.steps:
         raise ValueError(f"--steps-from {steps_from}: no steps.jsonl records there (a pdlab serve or run directory "
                          "of pdlab's own engine has them)")
@@ -120,7 +134,8 @@ def online(opts: Any, out: Optional[str], html: Optional[str], dry_run: bool, js
         print("pdlab diagnose: interrupted before measuring; nothing was written", file=sys.stderr)
         return INTERRUPTED_EXIT
     try:  # the server wrote its steps while it was measured: read them now
-        server = _server_run(steps_from) if steps_from else None
+        ids = tuple(r["response_id"] for r in m.records if r.get("response_id"))
+        server = _server_run(steps_from, ids) if steps_from else None
     except (RunDirError, ValueError) as e:
         print(f"pdlab diagnose: --steps-from: {e}; the diagnosis is written without the agreement", file=sys.stderr)
         server = None
@@ -130,13 +145,13 @@ def online(opts: Any, out: Optional[str], html: Optional[str], dry_run: bool, js
 
 def _write_online(m: Any, path: str, html: Optional[str], json_: bool, server: Any, show: Any) -> int:
     from pdlab.diagnose.analysis import analyse, with_agreement
-    from pdlab.diagnose.output import describe, online_summary, write_results
+    from pdlab.diagnose.output import client_env, describe, online_summary, write_results
     from pdlab.diagnose.plan import render
     from pdlab.diagnose.streams import group_records
-    from pdlab.measure.records import RunDir, collect_env, dumps
+    from pdlab.measure.records import RunDir, dumps
 
     rd = RunDir(path)
-    rd.write_env({**collect_env(), "diagnose": m.target.to_dict()})
+    rd.write_env({**client_env(), "diagnose": m.target.to_dict()})
     rd.append("requests", list(m.records))
     rd.close()
     streams = group_records(list(m.records)).get("diagnose", [])

@@ -63,7 +63,7 @@ def load_at(times: Sequence[float], streams: list[Stream], samples: Optional[Seq
     client's requests between send and last delivery."""
     if samples:
         ts = [s[0] for s in samples]
-        return "the server's running requests (/metrics)", [
+        return "the server's running requests, from its /metrics", [
             float(samples[max(0, bisect.bisect_right(ts, t) - 1)][1]) for t in times]
     sends = sorted(s.send for s in streams if s.end is not None)
     ends = sorted(s.end for s in streams if s.end is not None)

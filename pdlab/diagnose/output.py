@@ -6,6 +6,10 @@ diagnosis back like any run."""
 from __future__ import annotations
 
 import os
+import platform
+import socket
+import sys
+import time
 from dataclasses import asdict
 from typing import Optional
 
@@ -13,9 +17,23 @@ from pdlab.diagnose.analysis import Analysis
 from pdlab.diagnose.html import render_html
 from pdlab.diagnose.plots import figures, save
 from pdlab.diagnose.session import Measured
-from pdlab.measure.records import atomic_write, dumps
+from pdlab.measure.records import atomic_write, cpu_model, dumps
 
 SCHEMA = 1
+
+
+def client_env() -> dict:
+    """env.json of a diagnosis: the client's machine and versions (a run's collect_env imports torch and probes
+    GPUs, seconds a client that only talks HTTP should not wait; the server's facts are its own)."""
+    import aiohttp
+    import numpy
+
+    import pdlab
+
+    return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0],
+            "platform": platform.platform(), "host": socket.gethostname(), "cpu_count": os.cpu_count(),
+            "cpu_model": cpu_model(), "argv": list(sys.argv), "pdlab_version": getattr(pdlab, "__version__", None),
+            "aiohttp_version": aiohttp.__version__, "numpy_version": numpy.__version__}
 
 
 def online_summary(m: Measured, analyses: list[Analysis], plan_text: str) -> dict:

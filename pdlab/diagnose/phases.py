@@ -8,7 +8,7 @@ through the plan's gate (pdlab.diagnose.budget).
 - mixed (optional): the user's prompt lengths with Poisson arrivals, windows that may overlap.
 
 Tokens are stamped as pdlab's endpoint client stamps them (pdlab.external.stream: time.monotonic() when the
-SSE line was read; a chunk's tokens share its time). An error from the server stops the diagnosis, except a
+SSE line was read; a chunk's tokens share its time). A failed request stops the diagnosis, except a
 probe the server refuses as too long (HTTP 400/413/422): longer probes are then skipped. Ctrl-C or the
 duration cap (`stop`) cuts every stream at once and keeps what was measured.
 """
@@ -16,6 +16,7 @@ duration cap (`stop`) cuts every stream at once and keeps what was measured.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -77,6 +78,9 @@ class Runner:
         self.partial: Optional[str] = None  # why the diagnosis was cut short
         self.load = ServerLoad(session, target.url, target.headers, plan.metrics_polls) if plan.metrics_polls else None
         self._n = 0
+        # every run draws other prompts: a prefix cache must never hold a probe, not even from an earlier diagnosis
+        # (the same --seed gives the same mixed phase, not the same prompts)
+        self.nonce = int.from_bytes(os.urandom(8), "little")
         self._tasks: set[asyncio.Task] = set()
         self._main: Optional[asyncio.Task] = None
         self._stop: Optional[asyncio.Event] = None
@@ -85,7 +89,7 @@ class Runner:
 
     def _new(self, phase: str, n: int, max_tokens: int, probe: Optional[int] = None) -> Sent:
         self._n += 1
-        body = completion_body(prompt(n, self.o.seed * 1_000_003 + self._n, self.target.prompt_as == "text"),
+        body = completion_body(prompt(n, (self.nonce, self._n), self.target.prompt_as == "text"),
                                max_tokens, stream=True, model=self.target.model)
         return Sent(f"{phase}-{self._n}", phase, n, max_tokens, body, probe)
 
@@ -187,7 +191,7 @@ class Runner:
             if s.phase == "probe" and e.status in TOO_LONG_CODES:
                 self.skipped = f"the server refused a {s.prompt_len}-token probe: {s.error}"
             else:
-                self._request_stop(f"the server answered an error, so nothing more was sent: {s.error}")
+                self._request_stop(f"a request failed, so nothing more was sent: {s.error}")
         except asyncio.CancelledError:
             s.cancelled = True
             raise

@@ -54,7 +54,7 @@ class Options:
     background_output: int = 1024
     probe_output: int = 1  # a probe's max_tokens: its window is send -> first token
     mixed_output: int = 16
-    seed: int = 0
+    seed: int = 0  # the mixed phase's order and arrivals; prompts are drawn anew on every run (phases.Runner)
     api_key_env: Optional[str] = None  # the environment variable holding the API key
     metrics: bool = True  # read the server's /metrics (running requests over time) where it has one
     caps: Caps = field(default_factory=Caps)

@@ -1,7 +1,7 @@
 """Seeded prompts of a set length, in the form the server takes (pdlab.external.probe found which).
 
-Every prompt is drawn afresh (seeded per request), so no two share a prefix beyond chance and a prefix cache
-cannot skip a probe's prefill. As token ids they come from a low range every vocabulary has (synthetic
+Every prompt is drawn afresh (from the run's nonce and the request's number), so no two share a prefix beyond
+chance and a prefix cache cannot skip a probe's prefill, even one an earlier diagnosis filled. As token ids they come from a low range every vocabulary has (synthetic
 presets have 512 or 4096 tokens). As text, for a server that refuses token ids, they are common English
 words, about one token each in the usual BPE vocabularies; the server's own count (`usage.prompt_tokens`)
 is then what the analysis uses, and the record keeps both.
@@ -22,9 +22,9 @@ WORDS = ("time year people way day man thing woman life child world school state
          "education").split()
 
 
-def prompt(n: int, seed: int, as_text: bool) -> Union[list[int], str]:
+def prompt(n: int, seed: tuple[int, int], as_text: bool) -> Union[list[int], str]:
     """A prompt of `n` tokens (about `n` words as text), reproducible from `seed`."""
-    rng = random.Random(seed)
+    rng = random.Random(f"{seed[0]}:{seed[1]}")
     if as_text:
         return " ".join(rng.choice(WORDS) for _ in range(n))
     lo, hi = ID_RANGE

@@ -99,9 +99,9 @@ def judge(itl: dict, misses: dict, fit: Fit, corr: dict, threshold_ok: bool, tar
         if corr["r"] is not None and corr["correlated"]:
             out.append(f"The misses outside windows follow {corr['with']} (r = {corr['r']:+.2f}).")
         else:
-            r = "no variation to compare" if corr["r"] is None else f"r = {corr['r']:+.2f}"
-            out.append(f"They follow neither prefill windows nor {corr['with']} ({r}): nothing measurable from the "
-                       "client explains them.")
+            r = "it did not vary" if corr["r"] is None else f"r = {corr['r']:+.2f}"
+            out.append(f"They follow neither prefill windows nor {corr['with']} ({r}): nothing the client can "
+                       "measure explains them.")
     else:
         out.append(f"Your ITL misses are not prefill stalls: no gap missed the {target_ms:g} ms target.")
     worst = max(p.stall_ms for p in fit.points)

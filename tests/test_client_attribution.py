@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from pdlab.measure.attribution import attribute_gaps
 from pdlab.measure.client_attribution import attribute_gaps_client, client_interference_summary
 from pdlab.measure.records import read_jsonl
@@ -37,6 +39,7 @@ def test_prefills_elsewhere_or_outside_the_gap_do_not_count():
     assert [g["cause"] for g in gaps] == ["other"]
 
 
+@pytest.mark.slow
 def test_client_side_bounds_the_engine_side_on_a_real_run(tmp_path):
     """On pdlab's engine both attributions exist for the same run: every gap the engine's steps call a
     prefill interruption, the client's windows call one too, and they agree on most gaps."""
@@ -45,7 +48,7 @@ def test_client_side_bounds_the_engine_side_on_a_real_run(tmp_path):
            "--set", "rates=[40]", "--set", "workload.requests=16", "--set", "workload.output_len.value=24",
            "--set", "workload.input_len={kind: uniform, min: 200, max: 600}",
            "--set", "engine.kv_blocks=1024", "--set", "slo={ttft_ms: 5000, itl_ms: 1, itl_stat: p99}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, p.stderr
     reqs = [r for r in read_jsonl(str(out / "requests.jsonl")) if not r.get("warmup") and r["ok"]]
     steps = [s for s in read_jsonl(str(out / "steps.jsonl")) if not s.get("warmup")]

@@ -186,14 +186,14 @@ def test_killing_one_rank_ends_the_run_cleanly():
         (follower,) = _followers()
         for i in range(3):
             c.submit(f"k{i}", eh.prompts([20], seed=i)[0], {"max_tokens": 2000, "ignore_eos": True})
-        seen, deadline = set(), time.monotonic() + 30
+        seen, deadline = set(), time.monotonic() + 120  # deadlines against a hang, not speed bounds
         while len(seen) < 3:
             assert time.monotonic() < deadline
             seen |= {e.req_id for e in c.poll(0.5) if isinstance(e, TokenEvent) and e.index >= 1}
         os.kill(follower, signal.SIGKILL)
         t0, failed, done = time.monotonic(), [], {}
         while len(done) < 3:
-            assert time.monotonic() - t0 < 20, "a dead rank not detected"
+            assert time.monotonic() - t0 < 120, "a dead rank not detected"
             for e in c.poll(0.5):
                 if isinstance(e, WorkerFailed):
                     failed.append(e)

@@ -83,9 +83,10 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
-def diagnose(url: str, out: str, steps_from: str, *extra: str) -> tuple[dict, float]:
+def diagnose(url: str, out: str, steps_from: str | None, *extra: str) -> tuple[dict, float]:
+    """One diagnosis (timed); `steps_from`: the server's run directory (None: an engine without steps, vLLM)."""
     cmd = [sys.executable, "-m", "pdlab.cli", "diagnose", url, "--model", "cpu-demo", "--out", out, "--json",
-           "--steps-from", steps_from, "--html", f"{out}.html", *extra]
+           "--html", f"{out}.html", *(["--steps-from", steps_from] if steps_from else []), *extra]
     t0 = time.monotonic()
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     took = time.monotonic() - t0
@@ -147,7 +148,7 @@ def vllm(root: str, budgets: list[int], lengths: str) -> list[dict]:
         where = os.path.join(root, f"serve-vllm-{b}")
         proc, url = serve(VLLM_RECIPE, "vllm-unified", where, sets)
         try:
-            a, _ = diagnose(url, os.path.join(root, f"diagnose-vllm-{b}"), where, "--lengths", lengths)
+            a, _ = diagnose(url, os.path.join(root, f"diagnose-vllm-{b}"), None, "--lengths", lengths)
         finally:
             stop(proc)
         fit = a["fit"]

@@ -11,7 +11,6 @@ from pdlab.diagnose.fit import Point, fit_stalls
 from pdlab.diagnose.misses import miss_shares
 from pdlab.diagnose.streams import Stream, from_record, group_records
 from pdlab.diagnose.tagging import FLOOR, MIN_STEADY_GAPS, Gap, tag, threshold_of
-from pdlab.diagnose.verdict import MIN_BUDGET
 
 T0 = 1000.0
 

@@ -196,7 +196,8 @@ def test_a_bad_endpoint_is_one_line_and_exit_2_with_nothing_written(fake, tmp_pa
         ([f"http://127.0.0.1:{free_port()}/v1", "--model", "fake-model"], {}, "unreachable"),
         ([f.url, "--model", "fake-model"], {}, "--api-key-env"),
         ([f.url, "--model", "fake-model", "--api-key-env", "NO_SUCH_VAR_XYZ"], {}, "NO_SUCH_VAR_XYZ is not set"),
-        ([f.url, "--model", "other", "--api-key-env", "K"], {"K": KEY}, "no model 'other' there; it serves: fake-model"),
+        ([f.url, "--model", "other", "--api-key-env", "K"], {"K": KEY},
+         "no model 'other' there; it serves: fake-model"),
         ([f.url, "--model", "fake-model", "--lengths", "0,5"], {}, "--lengths"),
         ([f.url, "--model", "fake-model", "--concurrency", "8"], {}, "--max-concurrency is 8"),
     ]

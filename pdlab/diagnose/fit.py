@@ -1,10 +1,11 @@
 """Stall length against prompt tokens: a least-squares line through one point per isolated prefill window.
 
-A point is a window alone in time (a probe, or in another run's records any request): no other window with
-at least a quarter of its prompt tokens overlaps it (a background stream renewed meanwhile, a short prompt,
-does not make a long probe's window shared; a comparable prefill beside it would): x its prompt tokens (the server's count where it gave one), y the longest background gap
-that overlaps it, stall-tagged or not (a window that stalled nothing still says so: a flat line). Its slope
-per 1000 tokens is what a prefill of 1000 more tokens adds to the longest gap a running decode sees.
+A point is a window alone in time (a probe, or in another run's records any request): no other window with at
+least a quarter of its prompt tokens overlaps it (a background stream renewed meanwhile, a short prompt, does
+not make a long probe's window shared; a comparable prefill beside it would): x its prompt tokens (the server's
+count where it gave one), y the longest background gap that overlaps it, stall-tagged or not (a window that
+stalled nothing still says so: a flat line). Its slope per 1000 tokens is what a prefill of 1000 more tokens
+adds to the longest gap a running decode sees.
 
 A server that splits long prefills (chunked prefill) stalls decodes for one chunk at a time: past the chunk
 size the stall stops growing. When the points of a length fall below 0.7 of the line fitted to the shorter

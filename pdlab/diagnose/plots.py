@@ -86,9 +86,9 @@ def fit_figure(plt: Any, a: Analysis) -> Any:
                 label=f"fit: {line.intercept_ms:.1f} ms + {line.per_1k_ms:.1f} ms per 1k tokens{r2}")
     server = (a.agreement or {}).get("server_prefill")
     if server:
-        ax.plot(xs, [server["intercept_ms"] + server["prefill_ms_per_1k_tokens"] * x / 1000 for x in xs],
-                color="tab:purple", ls="-.", lw=1, label=f"server's prefill steps: {server['prefill_ms_per_1k_tokens']:.1f}"
-                                                         " ms per 1k tokens")
+        per_1k = server["prefill_ms_per_1k_tokens"]
+        ax.plot(xs, [server["intercept_ms"] + per_1k * x / 1000 for x in xs], color="tab:purple", ls="-.", lw=1,
+                label=f"server's prefill steps: {per_1k:.1f} ms per 1k tokens")
     ax.axhline(a.target_ms, color="grey", ls="--", lw=1, label=f"ITL target {a.target_ms:g} ms")
     ax.set(xlabel="prompt tokens", ylabel="longest gap beside the prefill (ms)")
     ax.set_xlim(left=0)

@@ -1,10 +1,10 @@
 """Seeded prompts of a set length, in the form the server takes (pdlab.external.probe found which).
 
 Every prompt is drawn afresh (from the run's nonce and the request's number), so no two share a prefix beyond
-chance and a prefix cache cannot skip a probe's prefill, even one an earlier diagnosis filled. As token ids they come from a low range every vocabulary has (synthetic
-presets have 512 or 4096 tokens). As text, for a server that refuses token ids, they are common English
-words, about one token each in the usual BPE vocabularies; the server's own count (`usage.prompt_tokens`)
-is then what the analysis uses, and the record keeps both.
+chance and a prefix cache cannot skip a probe's prefill, even one an earlier diagnosis filled. As token ids they
+come from a low range every vocabulary has (synthetic presets have 512 or 4096 tokens). As text, for a server
+that refuses token ids, they are common English words, about one token each in the usual BPE vocabularies; the
+server's own count (`usage.prompt_tokens`) is then what the analysis uses, and the record keeps both.
 """
 
 from __future__ import annotations

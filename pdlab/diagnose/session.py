@@ -55,8 +55,8 @@ def measure(opts: Options, show: Callable[[str], None]) -> Measured:
             show("pdlab diagnose: Ctrl-C: stopping; what was measured is kept")
             loop.call(runner.stop(INTERRUPTED), STOP_WAIT_S)
             done.result(STOP_WAIT_S)
-        return Measured(target, plan, tuple(s.record() for s in runner.sent), {k: list(v) for k, v in runner.phases.items()},
-                        runner.budget.to_dict(), runner.load.to_dict() if runner.load else None,
-                        runner.partial, runner.skipped, interrupted)
+        phases = {k: list(v) for k, v in runner.phases.items()}
+        return Measured(target, plan, tuple(s.record() for s in runner.sent), phases, runner.budget.to_dict(),
+                        runner.load.to_dict() if runner.load else None, runner.partial, runner.skipped, interrupted)
     finally:
         loop.close()

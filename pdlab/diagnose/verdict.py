@@ -1,10 +1,10 @@
 """The verdict of a diagnosis, in plain words, with the numbers each sentence rests on.
 
 `prefill_interference` when the prefill windows explain at least half of the ITL misses (beyond chance,
-pdlab.diagnose.misses) and at least MIN_MISSES misses fell in windows (the share, not the stall tags, decides:
-a stall that misses the target may still not stand out from a noisy steady distribution); `not_prefill_stalls` otherwise (no
-misses at all included: then none are prefill stalls); `inconclusive` when the data cannot say (too few gaps
-outside every window to know the steady ITL, or no isolated prefill window to fit).
+pdlab.diagnose.misses) and at least MIN_MISSES misses fell in windows (the share, not the stall tags, decides: a
+stall that misses the target may still not stand out from a noisy steady distribution); `not_prefill_stalls`
+otherwise (no misses at all included: then none are prefill stalls); `inconclusive` when the data cannot say
+(too few gaps outside every window to know the steady ITL, or no isolated prefill window to fit).
 
 The chunk budget suggested is the largest power of two whose stall, by the fitted line, stays within the ITL
 target: each step's prefill then holds decodes about that long (chunking spreads one long stall over several
@@ -88,8 +88,11 @@ def judge(itl: dict, misses: dict, fit: Fit, corr: dict, threshold_ok: bool, tar
     if explained >= EXPLAINS and misses["in_windows"] >= MIN_MISSES:
         return _interference(itl, misses, fit, target_ms, figures, longest)
     out = []
+    stall_misses = misses["stall_tagged"] >= MIN_MISSES  # stalls that miss exist, but other misses outnumber them
     if misses["misses"]:
-        out.append(f"Your ITL misses are not prefill stalls: {misses['misses']} gaps missed {target_ms:g} ms, "
+        lead = "Most of your ITL misses are not prefill stalls" if stall_misses else \
+            "Your ITL misses are not prefill stalls"
+        out.append(f"{lead}: {misses['misses']} gaps missed {target_ms:g} ms, "
                    f"{misses['in_windows']} of them in prefill windows, which explain {_share(explained)} beyond "
                    f"chance ({_share(misses['miss_rate_in_windows'])} of gaps in windows missed, "
                    f"{_share(misses['miss_rate_outside'])} outside).")
@@ -106,12 +109,16 @@ def judge(itl: dict, misses: dict, fit: Fit, corr: dict, threshold_ok: bool, tar
         out.append(f"Your ITL misses are not prefill stalls: no gap missed the {target_ms:g} ms target.")
     worst = max(p.stall_ms for p in fit.points)
     stalled = sum(p.stalled for p in fit.points)
-    out.append(f"The probes' prefills (up to {longest['prompt_tokens']} tokens) stalled decodes in {stalled} of "
-               f"{len(fit.points)} windows; the longest gap beside one was {_ms(worst)}.")
+    out.append(f"{'Prefill stalls come on top: the' if stall_misses else 'The'} probes' prefills (up to "
+               f"{longest['prompt_tokens']} tokens) stalled decodes in {stalled} of {len(fit.points)} windows; the "
+               f"longest gap beside one was {_ms(worst)}.")
     beyond = _beyond(fit, target_ms) if stalled >= MIN_MISSES else None
     if beyond is not None and line is not None:
-        out.append(f"By the fit ({_ms(line.per_1k_ms)} per 1k prompt tokens), prompts longer than about {beyond} "
-                   "tokens would stall decodes beyond your target.")
+        shortest = min(p.prompt_tokens for p in fit.points)
+        which = f"prompts longer than about {beyond} tokens" if beyond > shortest else \
+            f"every prompt from {shortest} tokens on"
+        out.append(f"By the fit ({_ms(line.per_1k_ms)} per 1k prompt tokens), {which} stalls decodes beyond your "
+                   "target.")
     out.append(figures)
     return Verdict("not_prefill_stalls", tuple(out), stall_beyond_tokens=beyond)
 
@@ -134,7 +141,7 @@ def _interference(itl: dict, misses: dict, fit: Fit, target_ms: float, figures: 
         if beyond is not None:
             shortest = min(p.prompt_tokens for p in fit.points)
             lead = (f"Prompts longer than about {beyond} tokens stall decodes beyond your ITL target" if beyond
-                    > 0 else f"Every prompt stalls decodes beyond your ITL target, even {shortest} tokens")
+                    > shortest else f"Every prompt stalls decodes beyond your ITL target, even {shortest} tokens")
             out.append(f"{lead} (stall about {_ms(line.intercept_ms)} + {_ms(line.per_1k_ms)} per 1k prompt "
                        f"tokens{r2}, {line.n} probes).")
         if fit.levels_off_from is not None:

@@ -10,9 +10,10 @@ chunk of at most --chunk tokens) and gives every running stream one token; it la
                          [--prefill-ms-per-1k MS] [--record DIR] [--no-metrics] [--api-key-env VAR]
 
 --record DIR writes what the server did as a pdlab serve run directory has it: DIR/steps.jsonl (start, end,
-prefill_tokens, decode_seqs, worker) and DIR/requests.jsonl (id `<response id>-0`, decode_worker), the
-truth the tests hold pdlab diagnose's tags against. $FAKE_STALL_LOG: one JSON line per HTTP request (path,
-prompt_len, max_tokens, t: its time.monotonic() on arrival). GET /fake/stats: {"max_inflight": the most completions open at once, "inflight": those open now}.
+prefill_tokens, decode_seqs, worker) and DIR/requests.jsonl (id `<response id>-0`, decode_worker), the truth the
+tests hold pdlab diagnose's tags against. $FAKE_STALL_LOG: one JSON line per HTTP request (path, prompt_len,
+max_tokens, t: its time.monotonic() on arrival). GET /fake/stats: {"max_inflight": the most completions open at
+once, "inflight": those open now}.
 """
 
 import argparse

@@ -1,6 +1,8 @@
 """pdlab diagnose's analysis as a specification, on streams from a simulated engine whose truth is known: which
 gaps are stalls, what a stall costs per prompt token, where chunking caps it, and what the verdict says."""
 
+import json
+import os
 import random
 
 import pytest
@@ -177,6 +179,31 @@ def test_streams_from_records_use_chunk_times_and_the_servers_prompt_count():
                                                                             "token_times": []}]
     groups = group_records(run)
     assert sorted(groups) == ["a", "b"] and len(groups["b"]) == 1 and groups["b"][0].phase == "request"
+
+
+def test_offline_a_runs_variants_are_diagnosed_apart_and_held_against_their_own_steps(tmp_path, capsys):
+    from pdlab.commands.diagnose import main
+    from pdlab.measure.records import RunDir
+
+    rd = RunDir(str(tmp_path / "run"))
+    for variant, unified in (("unified", True), ("disagg", False)):
+        streams, steps, _ = simulate(unified=unified)
+        rd.append("requests", [{"variant": variant, "id": s.id, "arrival": s.send, "token_times": list(s.times),
+                                "prompt_len": s.prompt_tokens, "decode_worker": "w0"} for s in streams])
+        rd.append("steps", [{"variant": variant, **s} for s in steps])
+    rd.close()
+    page = tmp_path / "page.html"
+    code = main(str(tmp_path / "run"), itl_ms=None, out=None, html=str(page), json_=True, steps_from=None)
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    by = {a["label"]: a for a in summary["analyses"]}
+    assert by["unified"]["verdict"]["kind"] == "prefill_interference"
+    assert by["unified"]["agreement"]["precision"] == 1.0 and by["unified"]["agreement"]["recall"] == 1.0
+    assert by["disagg"]["verdict"]["kind"] == "not_prefill_stalls" and by["disagg"]["agreement"]["stall_gaps"] == 0
+    assert sorted(os.listdir(tmp_path / "run" / "diagnose")) == [
+        "gap_timeline-disagg.png", "gap_timeline-unified.png", "stall_fit-disagg.png", "stall_fit-unified.png",
+        "summary.json"]
+    assert page.read_text().count("data:image/png;base64,") == 4
 
 
 def test_offline_every_request_is_a_stream_and_an_isolated_window_a_point():

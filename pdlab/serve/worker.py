@@ -72,19 +72,35 @@ def run_worker(spec_dict: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's business: it stops us
     signal.signal(signal.SIGTERM, _exit_on_signal)  # unwinds: the pool segment is unlinked on the way out
     _die_with_parent()
-    mine = spec.devices[:1] if spec.tp > 1 else spec.devices  # under TP each rank pins to its own device
+    Worker(spec, pin_process(spec.devices, spec.tp, spec.visible_gpus, spec.host_cores)).serve()
+
+
+def pin_process(devices: tuple[str, ...], tp: int = 1, visible_gpus: tuple[str, ...] = (),
+                host_cores: tuple[int, ...] = ()) -> list[int]:
+    """Pin this process to a worker's devices before torch touches them (CUDA_VISIBLE_DEVICES; CPU affinity
+    and a matching OMP thread count); returns its CPU cores, for `use_threads`. Also what `pdlab profile`'s
+    measuring process does (pdlab.timing.process), so a profile times steps as a worker runs them."""
+    mine = devices[:1] if tp > 1 else devices  # under TP each rank pins to its own device
     cpu_cores = [int(d.split(":")[1]) for d in mine if d.startswith("cpu:")]
-    if spec.visible_gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(spec.visible_gpus)
-        if spec.host_cores:  # a GPU worker's host side: its own cores, one thread each (followers inherit)
-            cpu_cores = list(spec.host_cores)
+    if visible_gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
+        if host_cores:  # a GPU worker's host side: its own cores, one thread each (followers inherit)
+            cpu_cores = list(host_cores)
             os.sched_setaffinity(0, cpu_cores)
             os.environ["OMP_NUM_THREADS"] = str(len(cpu_cores))
     elif cpu_cores:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.sched_setaffinity(0, cpu_cores)
         os.environ["OMP_NUM_THREADS"] = str(len(cpu_cores))
-    Worker(spec, cpu_cores).serve()
+    return cpu_cores
+
+
+def use_threads(cpu_cores: list[int]) -> None:
+    """One torch thread per pinned core (none pinned: torch's default)."""
+    if cpu_cores:
+        import torch
+
+        torch.set_num_threads(len(cpu_cores))
 
 
 def _exit_on_signal(signum: int, frame: Any) -> None:
@@ -103,7 +119,6 @@ def _die_with_parent() -> None:
 
 class Worker:
     def __init__(self, spec: WorkerSpec, cpu_cores: list[int]):
-        import torch
         import zmq
 
         from pdlab.engine import Engine, load_model
@@ -112,8 +127,7 @@ class Worker:
 
         self.spec, self.name, self.role = spec, spec.name, spec.role
         self.parent = os.getppid()
-        if cpu_cores:
-            torch.set_num_threads(len(cpu_cores))
+        use_threads(cpu_cores)
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.IDENTITY, spec.name.encode())  # the router addresses us by name

@@ -2,12 +2,16 @@
 
    The common prefill: a prompt's first chunk attends to itself, causally. For each K/V head, K is transposed
    once into scratch ([head_dim][n16], keys contiguous, n padded to whole vectors with zeros) so that scores
-   for sixteen keys are one vector: a block of ROWS query rows (the query heads sharing the K/V head, ROWS /
-   groups positions each) is scored against every key up to its last position with broadcast multiply-adds,
-   thirty-two keys per pass (each broadcast serves two vectors), softmaxed row by row (keys past a row's
-   position masked), and multiplied with V, whose rows are contiguous over head_dim, thirty-two floats per
-   pass. Each K column and V row loaded serves all ROWS rows; no work is done above the causal diagonal
-   beyond the block's own last rows and the last vector's padding.
+   for a vector of keys are one vector: a block of ROWS query rows (the query heads sharing the K/V head,
+   ROWS / groups positions each) is scored against every key up to its last position with broadcast
+   multiply-adds, softmaxed row by row (keys past a row's position masked), and multiplied with V, whose rows
+   are contiguous over head_dim. No work is done above the causal diagonal beyond the block's own last rows
+   and the last vector's padding.
+
+   The register tile follows the ISA: RB rows at a time, two vectors of VW floats each (each broadcast serves
+   both), RB x 2 accumulators: 8 x 2 sixteen-float vectors on AVX-512 (16 of its 32 registers), 4 x 2
+   eight-float vectors on AVX2 (8 of its 16). A sixteen-float type on AVX2 is two registers per value, and
+   the tile of 8 x 2 of them spilled to the stack on every multiply-add: 4x slower than torch's SDPA there.
 
    Built like decode_attention.c (associative float math, -march=native); exp and softmax helpers from vec_math.h.
 
@@ -17,9 +21,64 @@
 #include "vec_math.h"
 
 #ifndef ROWS
-#define ROWS 8 /* query rows per block: accumulators in registers */
+#define ROWS 8 /* query rows per block (query heads per K/V head at most this many) */
 #endif
 #define MAX_DIM 256
+#if defined(__AVX512F__)
+#define VW 16 /* floats per vector */
+#define RB 8  /* rows per register tile */
+#else
+#define VW 8
+#define RB 4
+#endif
+
+typedef float vecw __attribute__((vector_size(VW * sizeof(float))));
+static inline vecw loadw(const float *p) { vecw x; memcpy(&x, p, sizeof x); return x; }
+static inline void storew(float *p, vecw x) { memcpy(p, &x, sizeof x); }
+static inline vecw splatw(float f) { return (vecw){0} + f; }
+
+/* Scores s[r][t] = q'[r] . K[t] for rows [r0, r0 + RB) and keys [t, t + 2 VW) (or [t, t + VW): one vector). */
+static inline __attribute__((always_inline)) void scores_tile(
+        const float (*qv)[MAX_DIM], const float *kt, int n, int r0, int rows, int t, int two, float *s,
+        const int head_dim) {
+    vecw acc[RB][2];
+    for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = splatw(0.0f);
+    for (int d = 0; d < head_dim; d++) {
+        const vecw k0 = loadw(kt + (long)d * n + t);
+        const vecw k1 = two ? loadw(kt + (long)d * n + t + VW) : k0;
+        for (int r = 0; r < RB; r++) {
+            const vecw b = splatw(qv[r0 + r][d]);
+            acc[r][0] += b * k0;
+            if (two) acc[r][1] += b * k1;
+        }
+    }
+    for (int r = 0; r < RB && r0 + r < rows; r++) {
+        storew(s + (long)(r0 + r) * n + t, acc[r][0]);
+        if (two) storew(s + (long)(r0 + r) * n + t + VW, acc[r][1]);
+    }
+}
+
+/* out[r][c..] = sum_i P[r][i] V[i][c..] for rows [r0, r0 + RB) and head_dim columns [c, c + 2 VW) (or VW). */
+static inline __attribute__((always_inline)) void pv_tile(
+        const float *s, int n, const float *v, long v_row, int r0, int rows, int keys, int c, int two,
+        const float *inv, float *out, long o_row, long o_head, const int *qh, const int *pos) {
+    vecw acc[RB][2];
+    for (int r = 0; r < RB; r++) acc[r][0] = acc[r][1] = splatw(0.0f);
+    for (int i = 0; i < keys; i++) {
+        const vecw x0 = loadw(v + (long)i * v_row + c);
+        const vecw x1 = two ? loadw(v + (long)i * v_row + c + VW) : x0;
+        for (int r = 0; r < RB; r++) {
+            const vecw b = splatw(s[(long)(r0 + r) * n + i]);
+            acc[r][0] += b * x0;
+            if (two) acc[r][1] += b * x1;
+        }
+    }
+    for (int r = 0; r < RB && r0 + r < rows; r++) {
+        float *o = out + pos[r0 + r] * o_row + qh[r0 + r] * o_head + c;
+        storew(o, acc[r][0] * inv[r0 + r]);
+        if (two) storew(o + VW, acc[r][1] * inv[r0 + r]);
+    }
+}
 
 /* One block of `rows` query rows (row r: query head qh[r], position pos[r]) against keys [0, keys). */
 static inline __attribute__((always_inline)) void block(
@@ -27,68 +86,27 @@ static inline __attribute__((always_inline)) void block(
         float *out, long o_row, long o_head, const int *qh, const int *pos, int rows, int keys, float scale,
         float *s, const int head_dim) {
     float qv[ROWS][MAX_DIM];
-    for (int r = 0; r < rows; r++)
+    for (int r = 0; r < ROWS; r++) /* padding rows (r >= rows) repeat row 0: computed, never stored */
         for (int d = 0; d < head_dim; d++) qv[r][d] = q[pos[r] * q_row + qh[r] * q_head + d] * scale;
-    int t = 0;
-    for (; t + 32 <= keys; t += 32) { /* scores, thirty-two keys at a time: each broadcast serves two vectors */
-        vec16 acc[ROWS][2];
-        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = splat16(0.0f);
-        for (int d = 0; d < head_dim; d++) {
-            const vec16 k0 = load16(kt + (long)d * n + t), k1 = load16(kt + (long)d * n + t + 16);
-            for (int r = 0; r < ROWS; r++) {
-                const vec16 b = splat16(qv[r][d]);
-                acc[r][0] += b * k0;
-                acc[r][1] += b * k1;
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            store16(s + (long)r * n + t, acc[r][0]);
-            store16(s + (long)r * n + t + 16, acc[r][1]);
-        }
-    }
-    for (; t < keys; t += 16) { /* then sixteen: past `keys`, K^T's zeroed padding columns (n is padded to 16) */
-        vec16 acc[ROWS];
-        for (int r = 0; r < ROWS; r++) acc[r] = splat16(0.0f);
-        for (int d = 0; d < head_dim; d++) {
-            vec16 kv = load16(kt + (long)d * n + t);
-            for (int r = 0; r < ROWS; r++) acc[r] += splat16(qv[r][d]) * kv;
-        }
-        for (int r = 0; r < rows; r++) store16(s + (long)r * n + t, acc[r]);
+    for (int r0 = 0; r0 < rows; r0 += RB) { /* scores; past `keys`, K^T's zeroed padding (n is padded to 16) */
+        int t = 0;
+        for (; t + 2 * VW <= keys; t += 2 * VW) scores_tile(qv, kt, n, r0, rows, t, 1, s, head_dim);
+        for (; t < keys; t += VW) scores_tile(qv, kt, n, r0, rows, t, 0, s, head_dim);
     }
     float inv[ROWS];
     for (int r = 0; r < rows; r++) { /* softmax over keys [0, pos + 1) */
         float *sr = s + (long)r * n;
         const int m = pos[r] + 1;
         const float sum = exp_sum(sr, m, max_of(sr, m));
-        int i = m;
-        for (; i < keys; i++) sr[i] = 0.0f; /* past this row's position */
+        for (int i = m; i < keys; i++) sr[i] = 0.0f; /* past this row's position */
         inv[r] = 1.0f / sum;
     }
-    int c = 0;
-    for (; c + 32 <= head_dim; c += 32) { /* P @ V, 32 floats of head_dim per pass */
-        vec16 acc[ROWS][2];
-        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = splat16(0.0f);
-        for (int i = 0; i < keys; i++) {
-            const vec16 x0 = load16(v + (long)i * v_row + c), x1 = load16(v + (long)i * v_row + c + 16);
-            for (int r = 0; r < ROWS; r++) {
-                const vec16 b = splat16(s[(long)r * n + i]);
-                acc[r][0] += b * x0;
-                acc[r][1] += b * x1;
-            }
-        }
-        for (int r = 0; r < rows; r++) {
-            store16(out + pos[r] * o_row + qh[r] * o_head + c, acc[r][0] * inv[r]);
-            store16(out + pos[r] * o_row + qh[r] * o_head + c + 16, acc[r][1] * inv[r]);
-        }
-    }
-    for (; c < head_dim; c += 16) { /* then 16 */
-        vec16 acc[ROWS];
-        for (int r = 0; r < ROWS; r++) acc[r] = splat16(0.0f);
-        for (int i = 0; i < keys; i++) {
-            const vec16 x = load16(v + (long)i * v_row + c);
-            for (int r = 0; r < ROWS; r++) acc[r] += splat16(s[(long)r * n + i]) * x;
-        }
-        for (int r = 0; r < rows; r++) store16(out + pos[r] * o_row + qh[r] * o_head + c, acc[r] * inv[r]);
+    for (int r = rows; r < ROWS; r++) inv[r] = 0.0f;
+    for (int r0 = 0; r0 < rows; r0 += RB) { /* P @ V */
+        int c = 0;
+        for (; c + 2 * VW <= head_dim; c += 2 * VW)
+            pv_tile(s, n, v, v_row, r0, rows, keys, c, 1, inv, out, o_row, o_head, qh, pos);
+        for (; c < head_dim; c += VW) pv_tile(s, n, v, v_row, r0, rows, keys, c, 0, inv, out, o_row, o_head, qh, pos);
     }
 }
 

@@ -45,7 +45,7 @@ class Budget:
         async with self._cond:
             while True:
                 self._refuse(kind, tokens)
-                if self.in_flight < self.caps.concurrency:
+                if self.in_flight < self.plan.completion_slots:
                     break
                 try:
                     await asyncio.wait_for(self._cond.wait(), max(0.0, self.deadline - self.clock()))

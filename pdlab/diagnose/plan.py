@@ -90,6 +90,11 @@ class Plan:
         return sum(n + self.options.mixed_output for n in self.mixed)
 
     @property
+    def completion_slots(self) -> int:
+        """Completions in flight at most: the concurrency cap, less the one a /metrics read may hold."""
+        return self.caps.concurrency - (1 if self.metrics_polls else 0)
+
+    @property
     def max_requests(self) -> int:
         return CHECK_REQUESTS + self.metrics_polls + len(self.probes) + len(self.mixed) + self.background_max
 
@@ -109,9 +114,11 @@ def _check(opts: Options) -> None:
         raise PlanError(f"--lengths {','.join(map(str, opts.lengths))}: expected prompt lengths >= 1 token")
     if opts.max_model_len is not None and opts.max_model_len < 2:
         raise PlanError(f"--max-model-len {opts.max_model_len}: expected tokens >= 2")
-    if opts.concurrency + 1 > c.concurrency:
-        raise PlanError(f"--concurrency {opts.concurrency}: the background streams and a probe need "
-                        f"{opts.concurrency + 1} requests in flight; --max-concurrency is {c.concurrency}")
+    need = opts.concurrency + 1 + int(opts.metrics)
+    if need > c.concurrency:
+        raise PlanError(f"--concurrency {opts.concurrency}: the background streams, a probe"
+                        f"{' and a /metrics read' if opts.metrics else ''} need {need} requests in flight; "
+                        f"--max-concurrency is {c.concurrency}")
 
 
 def build_plan(opts: Options, server_max_len: Optional[int] = None) -> Plan:
@@ -171,7 +178,7 @@ def render(plan: Plan) -> str:
     lines += [
         f"  hard caps:  at most {plan.max_requests} requests ({CHECK_REQUESTS} checks, {plan.metrics_polls} /metrics "
         f"reads, up to {plan.background_max} background), {c.tokens} prompt+output tokens, {c.concurrency} in "
-        f"flight, {c.rate:g} sends/s, {c.duration_s:g} s",
+        f"flight, {c.rate:g} completions/s, {c.duration_s:g} s",
         f"  takes:      at least {expected_s(plan):.0f} s plus the probes' own time; Ctrl-C stops at once and keeps "
         "what was measured",
     ]

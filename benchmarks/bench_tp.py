@@ -31,7 +31,7 @@ def spec(preset: str, dtype: str, tp: int):
     from pdlab.engine.config import EngineConfig
     from pdlab.recipe import ModelSpec
     from pdlab.kv import shm
-    from pdlab.serve.worker import WorkerSpec
+    from pdlab.serve.spec import WorkerSpec
 
     return WorkerSpec("bench", "unified", tuple(f"cpu:{i}" for i in range(tp)), "ipc:///dev/null",
                       ModelSpec.from_raw({"preset": preset, "dtype": dtype}, "model"),

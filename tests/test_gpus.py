@@ -98,7 +98,7 @@ def test_worker_spec_carries_gpu_entries_shares_cores_and_peers_through_spawn():
 
     from pdlab.engine.config import EngineConfig
     from pdlab.recipe.model import ModelSpec
-    from pdlab.serve.worker import WorkerSpec
+    from pdlab.serve.spec import WorkerSpec
 
     spec = WorkerSpec("decode0", "decode", ("cuda:1",), "ipc:///x", ModelSpec.from_raw({"preset": "tiny-llama"}, "m"),
                       EngineConfig(), 0, "cuda-ipc", "pull", "pdlab-x-", "decode", (MIG_B, UUID_A), 30.0,

@@ -17,7 +17,7 @@ from pdlab.engine.timed import step_counts, wait_until
 from pdlab.kv.modelled import modelled_copy
 from pdlab.recipe import (ModelSpec, RecipeError, StepTiming, TimingProfile, TransferTiming, dump_recipe,
                           load_profile, parse_recipe)
-from pdlab.serve.worker import WorkerSpec
+from pdlab.serve.spec import WorkerSpec
 
 def model_err(timing) -> str:
     with pytest.raises(RecipeError) as e:

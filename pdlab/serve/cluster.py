@@ -43,7 +43,8 @@ from pdlab.serve.nodes import NodeLink, RemoteProc
 from pdlab.serve.router import (RequestDone, Router, StepEvent, TokenEvent, TransferEvent, WorkerFailed,
                                 WorkerState)
 from pdlab.serve.topology import ClusterError, place
-from pdlab.serve.worker import WorkerSpec, run_worker
+from pdlab.serve.spec import WorkerSpec
+from pdlab.serve.worker import run_worker
 
 __all__ = ["Cluster", "ClusterError", "WorkerInfo", "TokenEvent", "RequestDone", "StepEvent", "TransferEvent",
            "WorkerFailed"]

@@ -22,7 +22,8 @@ def start_workers(ctx: Any, deployment: dict, specs: list[dict], node: str, offe
     running then."""
     from pdlab.recipe.deployment import Deployment
     from pdlab.serve.topology import place
-    from pdlab.serve.worker import WorkerSpec, run_worker
+    from pdlab.serve.spec import WorkerSpec
+    from pdlab.serve.worker import run_worker
 
     placed = {p.worker.name: p for p in place(Deployment.from_raw(deployment, "deployment"), node=node)}
     have = set(parse_devices(offered))

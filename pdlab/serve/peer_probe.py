@@ -57,12 +57,12 @@ def run_peer(raw: dict) -> None:
     """Process entry on the joined node: register a pool with NIXL, send its handle, wait for Stop."""
     import zmq
 
-    from pdlab.serve.worker import _die_with_parent, _exit_on_signal
+    from pdlab.serve.process import die_with_parent, exit_on_signal
 
     spec = PeerSpec.from_raw(raw)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _exit_on_signal)
-    _die_with_parent()
+    signal.signal(signal.SIGTERM, exit_on_signal)
+    die_with_parent()
     import torch
 
     torch.set_num_threads(1)

@@ -70,7 +70,7 @@ class TensorGroup:
     """Rank 0's side: start the followers, join the group, shard the model, close."""
 
     def __init__(self, spec: Any):
-        from pdlab.serve.worker import WorkerSpec
+        from pdlab.serve.spec import WorkerSpec
 
         self.spec = spec
         self.store_dir = tempfile.mkdtemp(prefix="pdlab-tp-")
@@ -157,11 +157,12 @@ def shard_segment(spec: Any, rank: int) -> str:
 
 def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
     """Process entry of rank `rank` (spawned by rank 0): pin, join, load a shard, follow steps until STOP."""
-    from pdlab.serve.worker import WorkerSpec, _die_with_parent
+    from pdlab.serve.process import die_with_parent
+    from pdlab.serve.spec import WorkerSpec
 
     spec = WorkerSpec.from_raw(spec_raw)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
+    die_with_parent()
     dev = spec.devices[rank]
     if spec.visible_gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(spec.visible_gpus)

@@ -13,108 +13,22 @@ import os
 import signal
 import threading
 import time
-from dataclasses import asdict, dataclass, fields
-from typing import Any, Optional
+from dataclasses import asdict
+from typing import Any
 
-from pdlab.constants import HEARTBEAT_S
-from pdlab.engine.config import EngineConfig
-from pdlab.recipe.model import ModelSpec
 from pdlab.serve import messages as m
 from pdlab.serve.curve import connect_as_member
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything a worker process needs, from the variant's typed recipe and the launcher."""
-
-    name: str  # "prefill0", "decode1", "unified0"
-    role: str
-    devices: tuple[str, ...]  # this worker's devices, e.g. ("cpu:0",) or ("cuda:2",)
-    endpoint: str  # the router's socket
-    model: ModelSpec
-    engine: EngineConfig
-    seed: int
-    transport: Optional[str]  # disaggregated roles only
-    mode: str
-    run_prefix: str
-    first_token: str
-    visible_gpus: tuple[str, ...]  # CUDA_VISIBLE_DEVICES entries (index, UUID, MIG), own GPUs first in rank order
-    transfer_timeout_s: float
-    heartbeat_s: float = HEARTBEAT_S
-    tp: int = 1  # tensor-parallel ranks: this process is rank 0 on devices[0], followers take the rest
-    nixl: Optional[dict] = None  # transport nixl: the deployment's nixl section, plain data
-    memory_share: float = 1.0  # of each of its GPUs' memory (workers sharing a GPU split it, pdlab.serve.sharing)
-    host_cores: tuple[int, ...] = ()  # a GPU worker's host cores (pinned, one torch thread each)
-    peers: tuple[str, ...] = ()  # the workers of the other role (cuda-ipc: one pool export each)
-    report_cache: bool = False  # decode role, selective routing: report prefix-cache changes (CacheEvents)
-    # a tcp:// control plane's member keys (pdlab.serve.curve.ClusterKeys.member): put here by whoever spawns the
-    # worker (the launcher, or the agent of its node), in memory; never part of a control message
-    curve: Optional[dict] = None
-
-    def to_raw(self) -> dict:
-        """Plain data for the spawn arguments: nothing pickled needs pdlab classes."""
-        raw = {f.name: getattr(self, f.name) for f in fields(self)}
-        raw.update(model=self.model.to_raw(), engine=self.engine.to_raw(), devices=list(self.devices),
-                   visible_gpus=list(self.visible_gpus), host_cores=list(self.host_cores), peers=list(self.peers))
-        return raw
-
-    @classmethod
-    def from_raw(cls, raw: dict) -> "WorkerSpec":
-        return cls(**{**raw, "model": ModelSpec.from_raw(raw["model"], "model"),
-                      "engine": EngineConfig.from_raw(raw["engine"], "engine"), "devices": tuple(raw["devices"]),
-                      "visible_gpus": tuple(str(g) for g in raw["visible_gpus"]),
-                      "host_cores": tuple(raw.get("host_cores", ())), "peers": tuple(raw.get("peers", ()))})
+from pdlab.serve.process import die_with_parent, exit_on_signal, pin_process, use_threads
+from pdlab.serve.spec import WorkerSpec
 
 
 def run_worker(spec_dict: dict) -> None:
     """Process entry point (spawn target): plain dict in."""
     spec = WorkerSpec.from_raw(spec_dict)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the main process's business: it stops us
-    signal.signal(signal.SIGTERM, _exit_on_signal)  # unwinds: the pool segment is unlinked on the way out
-    _die_with_parent()
+    signal.signal(signal.SIGTERM, exit_on_signal)  # unwinds: the pool segment is unlinked on the way out
+    die_with_parent()
     Worker(spec, pin_process(spec.devices, spec.tp, spec.visible_gpus, spec.host_cores)).serve()
-
-
-def pin_process(devices: tuple[str, ...], tp: int = 1, visible_gpus: tuple[str, ...] = (),
-                host_cores: tuple[int, ...] = ()) -> list[int]:
-    """Pin this process to a worker's devices before torch touches them (CUDA_VISIBLE_DEVICES; CPU affinity
-    and a matching OMP thread count); returns its CPU cores, for `use_threads`. Also what `pdlab profile`'s
-    measuring process does (pdlab.timing.process), so a profile times steps as a worker runs them."""
-    mine = devices[:1] if tp > 1 else devices  # under TP each rank pins to its own device
-    cpu_cores = [int(d.split(":")[1]) for d in mine if d.startswith("cpu:")]
-    if visible_gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(visible_gpus)
-        if host_cores:  # a GPU worker's host side: its own cores, one thread each (followers inherit)
-            cpu_cores = list(host_cores)
-            os.sched_setaffinity(0, cpu_cores)
-            os.environ["OMP_NUM_THREADS"] = str(len(cpu_cores))
-    elif cpu_cores:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""
-        os.sched_setaffinity(0, cpu_cores)
-        os.environ["OMP_NUM_THREADS"] = str(len(cpu_cores))
-    return cpu_cores
-
-
-def use_threads(cpu_cores: list[int]) -> None:
-    """One torch thread per pinned core (none pinned: torch's default)."""
-    if cpu_cores:
-        import torch
-
-        torch.set_num_threads(len(cpu_cores))
-
-
-def _exit_on_signal(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
-
-
-def _die_with_parent() -> None:
-    """Ask Linux to SIGTERM us if the main process dies (even by SIGKILL): no orphan workers."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except Exception:  # noqa: BLE001 - not Linux: the heartbeat thread's ppid check still ends us
-        pass
 
 
 class Worker:

@@ -3,6 +3,7 @@ in process). Bad input is one line and exit 2 with nothing started; a served var
 tokens the engine gives; SIGTERM drains (or, with --no-drain, cancels) what runs and leaves no process, no
 /dev/shm segment and no held port; the API key is nowhere in the run directory."""
 
+import http.client
 import json
 import os
 import re
@@ -244,32 +245,73 @@ def test_cancelled_at_shutdown_what_runs_ends_and_nothing_is_left(tmp_path, flag
 
 @pytest.mark.slow
 def test_the_vllm_backend_is_served_too(tmp_path):
-    """engine.backend: vllm, played by tests/data/fake_vllm.py: pdlab's client drives its servers (greedy, EOS
-    ignored, so a request asking other sampling is refused), and SIGTERM stops them all."""
+    """engine.backend: vllm, played by tests/data/fake_vllm.py: pdlab's client forwards each request's sampling
+    to its servers (prefill and decode), a stop token ends the request there, a client that leaves mid-stream
+    closes the server's stream too (vLLM then aborts it), and SIGTERM stops every server."""
     from test_external import FAKE, no_survivor, read_pids
 
     exe = tmp_path / "python"
     exe.write_text(f"#!/bin/sh\nexec {sys.executable} {FAKE} \"$@\"\n")
     exe.chmod(0o755)
-    env = {"FAKE_VLLM_PIDS": str(tmp_path / "pids"), "PDLAB_MODEL_CACHE": str(tmp_path / "models")}
-    s = Served(tmp_path, "disagg", "--set", "engine.backend=vllm", "--set", f"engine.python={exe}", env=env)
+    log = tmp_path / "fake.log"
+    env = {"FAKE_VLLM_PIDS": str(tmp_path / "pids"), "PDLAB_MODEL_CACHE": str(tmp_path / "models"),
+           "FAKE_VLLM_LOG": str(log)}
+    s = Served(tmp_path, "disagg", "--set", "engine.backend=vllm", "--set", f"engine.python={exe}",
+               "--set", "engine.args=[--fake-token-s, '0.02']", env=env)
+    prompt = [5, 6, 7, 8]
+    want = [(sum(prompt) * 31 + 7 * i + 3) % 512 for i in range(6)]
     try:
-        body = {"prompt": [5, 6, 7, 8], "max_tokens": 4}
-        refused = s.request("/v1/completions", body)
-        got = tokens(s.request("/v1/completions", {**body, "temperature": 0, "ignore_eos": True}))
+        sampled = s.request("/v1/completions", {"prompt": prompt, "max_tokens": 6, "temperature": 0.8, "top_p": 0.5,
+                                                "seed": 3, "stop_token_ids": [want[2]]})
+        long: list = []
+        t = threading.Thread(target=lambda: long.append(leave_after(s, {"prompt": [9], "max_tokens": 400,
+                                                                         "stream": True}, events=3)))
+        t.start()
+        t.join(60)
+        deadline = time.monotonic() + 30
+        while not any("closed" in e for e in fake_log(log)):
+            assert time.monotonic() < deadline, "the vLLM server kept streaming to a client that left"
+            time.sleep(0.1)
         code, _, stderr = s.stop()
     finally:
         if s.proc.poll() is None:
             s.proc.kill()
-    assert refused[0] == 400 and json.loads(refused[1])["error"]["param"] == "temperature"
-    assert len(got) == 4 and code == 0, stderr
-    (rec,) = [json.loads(line) for line in open(s.out / "requests.jsonl")]
-    assert rec["ok"] and rec["output_ids"] == got and (rec["prefill_worker"], rec["decode_worker"]) == \
-        ("prefill0", "decode0")
+    assert code == 0, stderr
+    assert sampled[0] == 200, sampled[1]
+    choice = json.loads(sampled[1])["choices"][0]
+    assert choice["token_ids"] == want[:3] and choice["finish_reason"] == "stop" and choice["stop_reason"] == want[2]
+    bodies = [e["body"] for e in fake_log(log) if "body" in e and e["body"]["prompt"] == prompt]
+    assert sorted(b["max_tokens"] for b in bodies) == [1, 6]  # the prefill call, then the decode stream
+    for b in bodies:
+        assert (b["temperature"], b["top_p"], b["seed"], b["ignore_eos"], b["stop_token_ids"]) == \
+            (0.8, 0.5, 3, False, [want[2]])
+    recs = {r["prompt_ids"][0]: r for r in (json.loads(line) for line in open(s.out / "requests.jsonl"))}
+    assert sorted(recs) == [5, 9] and long == [3]
+    assert recs[5]["ok"] and recs[5]["output_ids"] == want[:3] and recs[5]["finish_reason"] == "stop"
+    assert not recs[9]["ok"] and 3 <= recs[9]["output_len"] < 400  # aborted when its client left
     pids = read_pids(tmp_path / "pids")
     assert len(pids) == 2
     no_survivor(pids)
     s.nothing_left()
+
+
+def fake_log(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def leave_after(served: Served, body: dict, events: int) -> int:
+    """Stream a completion and close the connection after `events` server-sent events; how many it read."""
+    conn = http.client.HTTPConnection("127.0.0.1", served.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    n = 0
+    while n < events:
+        line = resp.fp.readline()
+        n += line.startswith(b"data: ")
+    conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
+    return n
 
 
 @pytest.mark.slow

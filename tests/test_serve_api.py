@@ -352,24 +352,6 @@ def test_served_model_limits_follow_the_kv_pool():
     assert EOS in m.eos_ids
 
 
-def test_an_engine_that_samples_its_own_way_refuses_other_sampling():
-    """pdlab.external's client asks its servers for greedy, EOS-ignored tokens whatever it is given: a request
-    that wants other sampling from such a deployment is a 400 naming the field, never silently served."""
-    from dataclasses import replace
-
-    from pdlab.api.model import EXTERNAL_SAMPLING
-    from pdlab.api.protocol import ApiError, Sampling
-
-    m = replace(served_model(), backend="vllm", fixed=EXTERNAL_SAMPLING)
-    m.check_sampling(Sampling(max_tokens=4, temperature=0.0, ignore_eos=True, stop=("x",)))
-    for bad in (Sampling(temperature=1.0, ignore_eos=True), Sampling(temperature=0.0),
-                Sampling(temperature=0.0, ignore_eos=True, seed=3)):
-        with pytest.raises(ApiError) as e:
-            m.check_sampling(bad)
-        assert e.value.status == 400 and e.value.param in ("temperature", "ignore_eos", "seed")
-    served_model().check_sampling(Sampling(temperature=0.7, seed=3))  # pdlab's engine samples as asked
-
-
 def test_prefill_interruptions_and_handovers_are_counted_from_the_workers_records():
     """A gap over the ITL target counts as a prefill interruption when the worker that produced the later token
     ran a step with prefill tokens inside it; a gap spanned by decode-only steps, or under the target, does not.

@@ -3,17 +3,12 @@ vocabulary and context, and so what a request may ask (the limits checked before
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdlab.api.protocol import ApiError
 from pdlab.api.text import Text
-
-# What pdlab.external's client asks of an external server, whatever its caller asked (its completion_body:
-# greedy, EOS ignored, no stop tokens): the server refuses requests that want other sampling
-EXTERNAL_SAMPLING = {"temperature": 0.0, "top_p": 1.0, "seed": None, "ignore_eos": True, "stop_token_ids": ()}
 
 
 @dataclass(frozen=True)
@@ -26,9 +21,6 @@ class ServedModel:
     max_model_len: int  # engine.max_model_len, else the model's context
     backend: str = "pdlab"
     kv_tokens: Optional[int] = None  # the smallest worker's KV pool in tokens (pdlab's engine), once started
-    # an engine that takes only max_tokens and samples its own way: the Sampling fields it applies whatever
-    # is asked (pdlab.external's client: greedy, EOS ignored); asking for anything else is a 400
-    fixed: Optional[dict] = None
 
     @property
     def limit(self) -> int:
@@ -58,13 +50,6 @@ class ServedModel:
                            code="context_length_exceeded")
         return asked
 
-    def check_sampling(self, sampling: Any) -> None:
-        for key, value in (self.fixed or {}).items():
-            if getattr(sampling, key) != value:
-                raise ApiError(400, f"{key}: this deployment's engine ({self.backend}) is driven by pdlab's client, "
-                                    f"which samples with {key} {json.dumps(value)} only; send that", key,
-                               code="unsupported_parameter")
-
     def check_stop_ids(self, ids: tuple[int, ...]) -> None:
         bad = next((t for t in ids if t >= self.vocab_size), None)
         if bad is not None:
@@ -85,8 +70,7 @@ def load_served_model(v: Any, served_name: Optional[str] = None) -> ServedModel:
     source = v.model.source
     context = v.engine.max_model_len or getattr(config, "max_position_embeddings", None) or 4096
     return ServedModel(served_name or source, source, Text(load_tokenizer(v.model), source),
-                       frozenset(_eos_ids(v.model, config)), int(config.vocab_size), int(context), v.backend.backend,
-                       fixed=EXTERNAL_SAMPLING if v.backend.external else None)
+                       frozenset(_eos_ids(v.model, config)), int(config.vocab_size), int(context), v.backend.backend)
 
 
 def _eos_ids(spec: Any, config: Any) -> list[int]:

@@ -135,7 +135,6 @@ async def completions(request: web.Request) -> web.StreamResponse:
     s.check_model(req.model)
     s.served.text.check_stops(req.sampling.stop)
     s.served.check_stop_ids(req.sampling.stop_token_ids)
-    s.served.check_sampling(req.sampling)
     prompts = []
     for i, p in enumerate(req.prompts):
         param = "prompt" if len(req.prompts) == 1 else f"prompt[{i}]"
@@ -154,7 +153,6 @@ async def chat(request: web.Request) -> web.StreamResponse:
     s.check_model(req.model)
     s.served.text.check_stops(req.sampling.stop)
     s.served.check_stop_ids(req.sampling.stop_token_ids)
-    s.served.check_sampling(req.sampling)
     ids = s.served.text.chat(req.messages)
     s.served.check_prompt(ids, "messages")
     budget = s.served.max_tokens(len(ids), req.sampling.max_tokens, None, "max_tokens")

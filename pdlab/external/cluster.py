@@ -7,6 +7,11 @@ prefill server gets the prompt with max_tokens 1 and `kv_transfer_params: {do_re
 then the decode server streams the whole output with the parameters the prefill server returned (it pulls
 the KV over NIXL instead of recomputing it).
 
+Each request carries its own sampling (temperature, top_p, seed, ignore_eos, stop_token_ids: the client's
+under `pdlab serve`, greedy with EOS ignored under the harness; pdlab.external.client.vllm_sampling); the
+prefill call carries it too, as vLLM's proxy forwards the whole request. `abort` cancels a request's
+coroutine, which closes its stream, and vLLM aborts it.
+
 There are no step records (the servers keep their steps to themselves): interference attribution of these
 variants is the client-side one. Every server is stopped on exit, on failure, on Ctrl-C and at interpreter
 exit.
@@ -151,7 +156,8 @@ class ExternalCluster(ClientCluster):
                 prefill = self._take("prefill")
                 req.prefill_worker = prefill.server.spec.name
                 req.phases["prefill_start"] = time.monotonic()
-                body = completion_body(req.prompt_ids, 1, stream=False, extra={"kv_transfer_params": PREFILL_KV_PARAMS})
+                body = completion_body(req.prompt_ids, 1, stream=False,
+                                       extra={**req.sampling, "kv_transfer_params": PREFILL_KV_PARAMS})
                 resp = await request_json(session, "POST", prefill.url("/v1/completions"), body)
                 req.phases["prefill_end"] = time.monotonic()
                 kv = resp.get("kv_transfer_params") if isinstance(resp, dict) else None
@@ -165,14 +171,22 @@ class ExternalCluster(ClientCluster):
                 req.prefill_worker = name
             else:
                 req.decode_worker = name
-            body = completion_body(req.prompt_ids, req.max_tokens, stream=True, extra=extra)
-            final = await stream_completion(session, decode.url("/v1/completions"), body,
-                                            lambda event, t: self.chunk(req, name, chunk_tokens(event), t))
+            body = completion_body(req.prompt_ids, req.max_tokens, stream=True, extra={**req.sampling, **extra})
+
+            def on_chunk(event: dict, t: float) -> None:
+                self.chunk(req, name, chunk_tokens(event), t, finished(event))
+
+            final = await stream_completion(session, decode.url("/v1/completions"), body, on_chunk)
             req.usage = final.get("usage")
         finally:
             for slot in (prefill, decode):
                 if slot is not None:
                     slot.inflight -= 1
+
+
+def finished(event: dict) -> bool:
+    """Whether a streamed chunk is the server's last for its request (it carries a finish_reason)."""
+    return any(c.get("finish_reason") for c in event.get("choices") or [])
 
 
 @atexit.register

@@ -10,6 +10,9 @@ Its tokens are a deterministic function of the prompt. Behaviour switches (after
   --fake-token-s S      seconds between tokens (default 0.002)
   --fake-chunk K        tokens per streamed chunk (default 1)
 Env FAKE_VLLM_PIDS: a file to which it appends its pid (and its child's).
+Env FAKE_VLLM_LOG: a file to which it appends one JSON line per completion ({"body": what it was sent}) and
+one per stream whose client closed the connection before the end ({"closed": tokens sent before}).
+A stream stops after the first token in `stop_token_ids` (finish_reason "stop"), as vLLM's does.
 """
 
 import argparse
@@ -61,6 +64,12 @@ def tokens(prompt: list, n: int) -> list:
     return [(sum(prompt) * 31 + 7 * i + 3) % 512 for i in range(n)]
 
 
+def log(entry: dict) -> None:
+    if os.environ.get("FAKE_VLLM_LOG"):
+        with open(os.environ["FAKE_VLLM_LOG"], "a") as f:
+            f.write(json.dumps(entry) + "\n")
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
@@ -86,13 +95,19 @@ class Handler(BaseHTTPRequestHandler):
             return self._json(200, {})
         if self.path != "/v1/completions":
             return self._json(404, {"error": "not found"})
+        log({"body": body})
         prompt, n = body["prompt"], body["max_tokens"]
         kv = body.get("kv_transfer_params") or {}
         if kv.get("do_remote_prefill") and kv.get("remote_engine_id") != "fake-prefill":
             return self._json(400, {"error": "bad kv_transfer_params"})
         out = tokens(prompt, n)
+        stops = set(body.get("stop_token_ids") or [])
+        stop_at = next((i for i, t in enumerate(out) if t in stops), None)
+        if stop_at is not None:
+            out = out[:stop_at + 1]
+        reason = "length" if stop_at is None else "stop"
         if not body.get("stream"):
-            reply = {"choices": [{"index": 0, "text": "", "token_ids": out, "finish_reason": "length"}]}
+            reply = {"choices": [{"index": 0, "text": "", "token_ids": out, "finish_reason": reason}]}
             if kv.get("do_remote_decode"):
                 reply["kv_transfer_params"] = {"do_remote_prefill": True, "do_remote_decode": False,
                                                "remote_engine_id": "fake-prefill", "remote_block_ids": [0],
@@ -109,15 +124,19 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
 
         k = max(1, args.fake_chunk)
-        for i in range(0, n, k):
-            time.sleep(args.fake_token_s)
-            last = i + k >= n
-            send({"choices": [{"index": 0, "text": "", "token_ids": out[i:i + k],
-                               "finish_reason": "length" if last else None}]})
-        send({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": n}})
-        send("[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
-        self.wfile.flush()
+        try:
+            for i in range(0, len(out), k):
+                time.sleep(args.fake_token_s)
+                last = i + k >= len(out)
+                send({"choices": [{"index": 0, "text": "", "token_ids": out[i:i + k],
+                                   "finish_reason": reason if last else None}]})
+            send({"choices": [], "usage": {"prompt_tokens": len(prompt), "completion_tokens": len(out)}})
+            send("[DONE]")
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+        except (BrokenPipeError, ConnectionResetError):  # the client closed the stream: vLLM aborts the request
+            log({"closed": i})
+            self.close_connection = True
 
 
 srv = ThreadingHTTPServer((args.host, args.port), Handler)

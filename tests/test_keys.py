@@ -105,3 +105,44 @@ def test_everyone_else_is_refused_counted_and_logged(door, tmp_path, caplog):
         assert why in text
         assert sum(why in r.getMessage() for r in caplog.records) == 1  # logged once however often it retries
     assert any("from 127.0.0.1" in r.getMessage() for r in caplog.records)  # ZAP knows the peer's address
+
+
+def control_plane(tmp_path, control):
+    """The launcher's socket set-up for `control`, without starting workers (pdlab.serve.cluster)."""
+    from pdlab.engine.config import EngineConfig
+    from pdlab.recipe import Deployment, ModelSpec
+    from pdlab.serve.cluster import Cluster
+
+    c = Cluster(ModelSpec.from_raw({"preset": "tiny-llama"}, "model"), EngineConfig(),
+                Deployment.from_raw({"unified": {"devices": ["cpu:0"]}, "control": control}, "deployment"))
+    c._ctx = zmq.Context()
+    c._sock = c._ctx.socket(zmq.ROUTER)
+    return c
+
+
+def close(c):
+    if c._guard is not None:
+        c._guard.close()
+    c._sock.close(0)
+    c._ctx.term()
+
+
+def test_plain_tcp_only_when_the_recipe_says_insecure_and_then_a_warning(tmp_path, caplog):
+    c = control_plane(tmp_path, {"address": "tcp://127.0.0.1:5999", "insecure": True})
+    with caplog.at_level(logging.WARNING, logger="pdlab.control"):
+        assert c._secure("tcp://127.0.0.1:5999") is None
+    assert not c._sock.curve_server and c._guard is None
+    assert "insecure: true: plain TCP on tcp://127.0.0.1:5999" in caplog.text
+    close(c)
+    c = control_plane(tmp_path, "tcp://127.0.0.1:5999")  # no keys, no nodes: keys made for the run
+    member = c._secure("tcp://127.0.0.1:5999")
+    assert c._sock.curve_server and c._guard is not None and set(member) == {"server", "public", "secret"}
+    assert member["public"].encode() in c._guard.members and len(c._guard.members) == 2  # its workers' pair too
+    close(c)
+    init_keys(str(tmp_path / "keys"))
+    c = control_plane(tmp_path, {"address": "tcp://127.0.0.1:5999", "keys": str(tmp_path / "keys")})
+    member = c._secure("tcp://127.0.0.1:5999")
+    cluster = ClusterKeys.load(str(tmp_path / "keys"), server=True)
+    assert member["server"] == cluster.server_public.decode() and member["public"] != cluster.client_public.decode()
+    assert c._guard.members == {cluster.client_public, member["public"].encode()}  # the cluster's, and the run's own
+    close(c)

@@ -55,10 +55,10 @@ def main(join: str, devices: list[str], name: Optional[str], keys: Optional[str]
         print("pdlab worker: warning: --insecure: plain TCP; anyone who can reach the router can read what its "
               "workers are sent", file=sys.stderr)
     from pdlab.serve.agent import Agent
-    from pdlab.serve.cluster import _stop_resource_tracker
+    from pdlab.serve.cluster import stop_resource_tracker
 
     try:
         return Agent(join, [format_devices(offered)], name, member, once,
                      say=lambda s: print(s, flush=True)).run()
     finally:
-        _stop_resource_tracker()
+        stop_resource_tracker()

@@ -389,10 +389,10 @@ class Cluster:
 def _stop_all() -> None:
     for c in list(_live):
         c.stop()
-    _stop_resource_tracker()
+    stop_resource_tracker()
 
 
-def _stop_resource_tracker() -> None:
+def stop_resource_tracker() -> None:
     """Starting spawn workers also started multiprocessing's resource tracker, a child that Python < 3.13
     leaves running at exit: it ends when our end of its pipe closes, after we are gone, a zombie re-parented
     to init. Stop it and wait for it, so that every child of pdlab is reaped before pdlab exits."""

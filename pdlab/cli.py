@@ -185,11 +185,25 @@ def profile(
     seed: int = typer.Option(0, "--seed", metavar="N", help="Seed of the designed steps, prompts and split"),
     threads: Optional[int] = typer.Option(None, "--threads", metavar="N",
                                           help="torch threads (default: 1 on cpu, as a worker on one core)"),
+    cores: Optional[str] = typer.Option(None, "--cores", metavar="LIST",
+                                        help="Cores to pin the measurement to, as a worker on them (default: the "
+                                             "last one)"),
+    no_host: bool = typer.Option(False, "--no-host", help="Skip the host-time probe (a small real deployment)"),
+    check: Optional[str] = typer.Option(None, "--check", metavar="RUN_DIR",
+                                        help="Measure nothing: hold a profile against this run's own steps"),
+    profile_: Optional[str] = typer.Option(None, "--profile", metavar="NAME|FILE",
+                                           help="With --check: the profile to check (default: the one the run's "
+                                                "recipe names)"),
+    write_host: bool = typer.Option(False, "--write-host",
+                                    help="With --check and --profile FILE: write the run's host time into it"),
 ) -> None:
-    """Measure this device's engine steps and KV transfers; fit and write a timing profile (model.timing)."""
-    from pdlab.commands.profile import main
+    """Measure this device's engine steps, KV transfers and host time as a worker runs them; fit and write a
+    timing profile (model.timing). --check RUN_DIR: how well a profile predicts a run's steps."""
+    from pdlab.commands.profile import check as check_run, main
 
-    raise typer.Exit(main(model, device, dtype, out, steps, seed, threads))
+    if check is not None:
+        raise typer.Exit(check_run(check, profile_, write_host))
+    raise typer.Exit(main(model, device, dtype, out, steps, seed, threads, cores=cores, host=not no_host))
 
 
 @app.command(cls=_Command)

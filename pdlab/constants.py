@@ -93,6 +93,11 @@ CPU_KERNEL_ENV = "PDLAB_CPU_KERNEL"
 CPU_KERNEL_MODES = ("auto", "on", "off")
 SERVE_SHUTDOWN_TIMEOUT_S = 60.0  # pdlab serve: SIGTERM lets requests in flight finish this long, then cancels
 
+# ---- timing profiles (pdlab.timing): when a profile's step model is said not to fit ----
+PROFILE_CHECK_MAPE_PCT = 15.0  # pdlab profile --check / a run's last line: a kind of step predicted worse than this
+PROFILE_MIN_R2 = 0.9  # pdlab profile: held-out R^2 (overall or of a kind) below this
+PROFILE_MAX_P90_PCT = 25.0  # pdlab profile: held-out p90 percentage error above this
+
 # ---- nodes: `pdlab worker` on another machine (pdlab.serve.agent), the control plane on TCP (pdlab.serve.curve) ----
 JOIN_TIMEOUT_S = 120.0  # a run waits this long for the nodes its workers are placed on (control.join_timeout_s)
 NODE_IDENTITY = "node:"  # an agent's identity on the router's socket is this plus its node name

@@ -136,16 +136,27 @@ class Harness:
     def facts(self, warnings: list[str]) -> dict:
         """What the summary needs beyond the records (pdlab.measure.summary.summarize_run)."""
         slo = self.recipe.slo
+        checks, check_warnings = self._profile_check()
         return {"alone": self.alone.to_dict() if self.alone else None,
                 "alone_by_variant": {n: a.to_dict() for n, a in self.alone_by_variant.items()},
                 "relative": {"ttft": slo.ttft, "itl": slo.itl} if slo.relative else None,
                 "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
                                     for n, v in self.recipe.variants.items()},
                 "floors": {k: s["floor"] for k, s in self.searches.items() if s.get("floor")},
-                "warnings": list(warnings) + self.kernels.warnings + self._calibration_check(),
+                "warnings": list(warnings) + self.kernels.warnings + self._calibration_check() + check_warnings,
+                "profile_check": checks,
                 "kernels": self.kernels.facts(), "rates_resolved": dict(self.rates_resolved),
                 "modelled": {n: v.model.timing.describe() for n, v in self.recipe.variants.items() if v.model.modelled},
                 "trace": trace_facts(self.workloads), "expect": self.recipe.shared.expect}
+
+    def _profile_check(self) -> tuple[dict, list[str]]:
+        """Each variant's steps against the profile its recipe names (pdlab.timing.check), from the records."""
+        from pdlab.measure.records import read_jsonl
+        from pdlab.timing.check import run_facts
+
+        variants = {n: self.recipe.resolved(n) for n in self.recipe.variant_names}
+        steps, requests = (read_jsonl(self.rd.file(f"{k}.jsonl")) for k in ("steps", "requests"))
+        return run_facts(variants, steps, requests, self.kernels.by_variant)
 
     def _calibration_check(self) -> list[str]:
         """The calibration against the variants that ran on the same kind of worker (pdlab.measure.box)."""

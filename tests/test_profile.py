@@ -3,6 +3,7 @@ the written profile loads and round-trips, and the command runs end to end on a 
 is not asserted here (a unit test on a shared box cannot hold it): BENCHMARKS.md has the measured errors."""
 
 import itertools
+import os
 
 import numpy as np
 import pytest
@@ -11,33 +12,47 @@ import yaml
 from typer.testing import CliRunner
 
 from pdlab.cli import app
+from pdlab.constants import CPU_KERNELS
+from pdlab.engine.host_malloc import tune_malloc
+from pdlab.engine.runner import ModelRunner
 from pdlab.commands.profile import default_out, main
-from pdlab.recipe import RecipeError, TimingProfile, load_profile
+from pdlab.engine.timed import StepCounts
+from pdlab.recipe import RecipeError, StepTiming, TimingProfile, load_profile
 from pdlab.recipe.timing import shipped_profiles
 from pdlab.timing.fit import (KINDS, TERMS, StepSample, by_kind, errors, fit_steps, fit_transfer, nnls,
                               split_by_case)
-from pdlab.timing.measure import Case, Limits, design, run_case
+from pdlab.timing.measure import Case, Limits, PoolSlices, Primer, design, run_case
+from pdlab.timing.process import MeasureError, job_for, measure
 from pdlab.timing.write import profile_raw, write_profile
 
 TRUE = {"fixed_ms": 2.0, "prefill_token_ms": 0.05, "prefill_attention_ms": 0.03, "decode_seq_ms": 0.15,
-        "context_token_ms": 0.0004}
+        "context_token_ms": 0.0004, "chunk_ms": 0.4, "fresh_pair_ms": 0.05, "resumed_pair_ms": 0.02,
+        "resumed_context_ms": 0.002}
 
 
 def synthetic(n: int = 300, seed: int = 0, noise: float = 0.0, coef: dict = TRUE) -> list[StepSample]:
-    """Steps of all three kinds over a range like the designed one, timed by `coef` (times multiplicative noise)."""
+    """Steps of all three kinds over a range like the designed one (prefill chunks fresh or resuming a prompt,
+    one to three a step), timed by `coef` (times multiplicative noise)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
         kind = KINDS[i % 3]
-        pre = int(rng.integers(1, 2048)) if kind != "decode" else 0
-        start = int(rng.integers(0, 3000)) if kind != "decode" else 0
-        pairs = pre * start + pre * (pre + 1) // 2
+        pre = pairs = chunks = fresh = rpairs = rctx = 0
+        for _ in range(int(rng.integers(1, 4)) if kind != "decode" else 0):
+            n_tok = int(rng.integers(1, 1024))
+            start = int(rng.integers(0, 3000)) if rng.random() < 0.5 else 0
+            pre, chunks = pre + n_tok, chunks + 1
+            pairs += n_tok * start + n_tok * (n_tok + 1) // 2
+            if start:
+                rpairs, rctx = rpairs + n_tok * (start + n_tok), rctx + start + n_tok
+            else:
+                fresh += n_tok * (n_tok + 1) // 2
         dec = int(rng.integers(1, 64)) if kind != "prefill" else 0
         ctx = dec * int(rng.integers(16, 3000))
-        ms = (coef["fixed_ms"] + coef["prefill_token_ms"] * pre + coef["prefill_attention_ms"] * pairs / 1000
-              + coef["decode_seq_ms"] * dec + coef["context_token_ms"] * ctx)
+        c = StepCounts(pre, dec, ctx, pairs, chunks, fresh, rpairs, rctx)
+        ms = TimingProfile(step=StepTiming(**coef)).step_s(**c.to_dict()) * 1000
         ms *= 1 + noise * rng.standard_normal()
-        out.append(StepSample(pre, dec, ctx, pairs, ms, case=i // 4))
+        out.append(StepSample(c, ms, case=i // 4))
     return out
 
 
@@ -88,7 +103,9 @@ def test_fit_recovers_a_zero_term_as_zero():
 def test_fit_on_noisy_steps_is_close():
     train, test = synthetic(600, seed=2, noise=0.05), synthetic(300, seed=3, noise=0.05)
     coef = fit_steps(train)
-    for k in TERMS:
+    # the large terms come back closely; the attention terms overlap (every pair is causal, fresh or resumed
+    # ones are also counted apart), so noise moves cost between them: their predictions are what holds
+    for k in ("fixed_ms", "prefill_token_ms", "decode_seq_ms", "context_token_ms"):
         assert coef[k] == pytest.approx(TRUE[k], rel=0.1), k
     e = errors(coef, test)
     assert 2 < e["mape_pct"] < 6 and e["r2"] > 0.98  # about the noise's own 4% mean absolute deviation
@@ -99,8 +116,7 @@ def test_fit_on_noisy_steps_is_close():
 def test_split_is_by_case_with_every_kind_on_both_sides():
     s = synthetic(120)
     case_kinds = {c: KINDS[c % 3] for c in range(30)}
-    s = [StepSample(x.prefill_tokens, x.decode_seqs, x.context_tokens, x.prefill_pairs, x.ms, case=i % 30)
-         for i, x in enumerate(s)]
+    s = [StepSample(x.counts, x.ms, case=i % 30) for i, x in enumerate(s)]
     train, test = split_by_case(s, case_kinds, 0.3, np.random.default_rng(0))
     assert len(train) + len(test) == len(s)
     assert not {x.case for x in train} & {x.case for x in test}
@@ -137,17 +153,36 @@ def tiny():
 
 def test_measured_steps_carry_the_timed_engines_counts(tiny):
     rng = np.random.default_rng(0)
-    pre = run_case(tiny, Case("prefill", 64, True, (150,), (), 16), rng, case_id=7)
-    assert [(s.prefill_tokens, s.decode_seqs, s.context_tokens) for s in pre] == [(64, 0, 0), (64, 0, 0), (22, 0, 0)]
-    assert [s.prefill_pairs for s in pre] == [64 * 65 // 2, 64 * 64 + 64 * 65 // 2, 22 * 128 + 22 * 23 // 2]
-    assert all(s.case == 7 and s.kind == "prefill" and s.ms > 0 for s in pre)
-    dec = run_case(tiny, Case("decode", 64, True, (), (100, 40), 3), rng)
+    pre = [s.counts for s in run_case(tiny, Case("prefill", 64, True, (150,), (), 16), rng, case_id=7)]
+    assert [(c.prefill_tokens, c.decode_seqs, c.context_tokens) for c in pre] == [(64, 0, 0), (64, 0, 0), (22, 0, 0)]
+    assert [c.prefill_pairs for c in pre] == [64 * 65 // 2, 64 * 64 + 64 * 65 // 2, 22 * 128 + 22 * 23 // 2]
+    # the first chunk is fresh; the next two resume the prompt: the rectangle n x (start + n), and the context
+    assert [(c.chunks, c.fresh_pairs, c.resumed_pairs, c.resumed_context) for c in pre] == \
+        [(1, 64 * 65 // 2, 0, 0), (1, 0, 64 * 128, 128), (1, 0, 22 * 150, 150)]
+    dec = [s.counts for s in run_case(tiny, Case("decode", 64, True, (), (100, 40), 3), rng)]
     # a decode of a request holding c tokens attends c + 1 (its new token's KV is written first)
-    assert [(s.prefill_tokens, s.decode_seqs, s.context_tokens, s.prefill_pairs) for s in dec] == \
-        [(0, 2, 142, 0), (0, 2, 144, 0), (0, 2, 146, 0)]
-    mixed = run_case(tiny, Case("mixed", 128, True, (200,), (50, 60, 70), 10), rng)
-    assert [(s.prefill_tokens, s.decode_seqs) for s in mixed] == [(125, 3), (75, 3)]  # stops once prefilled
+    assert [(c.prefill_tokens, c.decode_seqs, c.context_tokens, c.prefill_pairs, c.chunks) for c in dec] == \
+        [(0, 2, 142, 0, 0), (0, 2, 144, 0, 0), (0, 2, 146, 0, 0)]
+    mixed = [s.counts for s in run_case(tiny, Case("mixed", 128, True, (200,), (50, 60, 70), 10), rng)]
+    assert [(c.prefill_tokens, c.decode_seqs) for c in mixed] == [(125, 3), (75, 3)]  # stops once prefilled
     assert mixed[0].context_tokens == 51 + 61 + 71 and mixed[1].prefill_pairs == 75 * 125 + 75 * 76 // 2
+    assert all(s.case == 7 and s.kind == "prefill" and s.ms > 0 and s.cpu_ms > 0
+               for s in run_case(tiny, Case("prefill", 64, True, (80,), (), 16), rng, case_id=7))
+
+
+def test_case_pools_are_slices_of_one_worker_sized_pool(tiny):
+    """Cases run in the first blocks of one pool allocated once, the primer in its last ones."""
+    pool = torch.zeros(2, 2, 400, 16, 2, 16)
+    slices = PoolSlices(pool)
+    primer = Primer(tiny, np.random.default_rng(0), pool=slices)
+    assert primer.eng.kv.data_ptr() == pool[:, :, 400 - primer.eng.blocks.num_blocks].data_ptr()
+    steps = run_case(tiny, Case("prefill", 64, True, (150,), (), 16), np.random.default_rng(1), primer=primer,
+                     pool=slices)
+    assert len(steps) == 3 and pool[:, :, :10].abs().sum() > 0  # the case wrote its KV into the pool's head
+    with pytest.raises(ValueError, match="at most half"):
+        slices.head((2, 2, 201, 16, 2, 16), pool.dtype)
+    with pytest.raises(ValueError, match="not a slice"):
+        slices.head((2, 2, 10, 8, 2, 16), pool.dtype)
 
 
 # ---- the profile file ----
@@ -202,24 +237,39 @@ def test_shipped_profiles():
 
 # ---- the command ----
 
+def test_steps_are_measured_in_a_process_set_up_as_a_worker(tiny):
+    """Pinned to the core asked for, one torch thread, the kernels a runner of the model chooses here, malloc
+    tuned: a worker's set-up (issue 25: a profile timed in the command's own process measured other code)."""
+    core = sorted(os.sched_getaffinity(0))[-1]
+    res = measure(job_for("tiny-llama", "float32", "cpu", [core], 20, 0))
+    assert res["pid"] != os.getpid() and res["cores"] == [core] and res["threads"] == 1
+    here = ModelRunner(tiny, torch.zeros(2, 2, 8, 16, 2, 16), 16).kernels  # the same machine's choice
+    assert res["kernels"] == {k: c.to_dict() for k, c in here.items()} and set(res["kernels"]) == set(CPU_KERNELS)
+    assert res["malloc_tuned"] == tune_malloc()
+    assert len(res["steps"]) >= 20 and {k for k in res["case_kinds"]} == set(KINDS)
+    with pytest.raises(MeasureError, match="unknown model preset"):
+        measure(job_for("no-such-model", "float32", "cpu", [core], 20, 0))
+
+
 def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "tiny.yaml"
-    threads = torch.get_num_threads()
     assert main(model="tiny-llama", steps=24, out=str(out), seed=3) == 0
-    assert torch.get_num_threads() == threads  # restored
     printed = capsys.readouterr().out
-    assert "held-out error" in printed and f"wrote {out}" in printed
+    assert "held-out error" in printed and f"wrote {out}" in printed and "host time:" in printed
     t = load_profile(str(out))
-    assert t.source == "measured" and t.model == "tiny-llama" and t.name == "tiny"
+    assert t.source == "measured" and t.model == "tiny-llama" and t.name == "tiny" and t.device_kind == "cpu"
     assert t.kv_bytes_per_token == 512  # 2 layers x K,V x 2 KV heads x 16 dims x 4 bytes
     assert t.kv_memory_gb > 0 and t.transfer_of("shm").gbps > 0
     assert any(getattr(t.step, k) > 0 for k in TERMS)
+    assert set(t.kernels) == set(CPU_KERNELS) and all("use" in c and "why" in c for c in t.kernels.values())
+    assert t.host.gap_ms > 0 and t.host.hop_ms > 0 and t.host.handoff_ms > 0  # from a real 1P1D deployment
     f = t.fit
     assert f["train_steps"] > 0 and f["test_steps"] > 0
     assert f["train_steps"] + f["test_steps"] == sum(f["steps_by_kind"].values()) >= 24
     assert {"mape_pct", "p90_pct", "max_pct", "r2"} <= set(f["held_out"])
     assert set(f["held_out_by_kind"]) == set(KINDS)
-    assert f["dtype"] == "float32" and f["threads"] == 1
+    assert f["dtype"] == "float32" and f["threads"] == 1 and f["cores"] == [sorted(os.sched_getaffinity(0))[-1]]
+    assert 0 < f["cpu_share"] <= 1.05 and f["host"]["samples"]["hops"] >= 3
 
 
 def test_profile_command_line(tmp_path):

@@ -68,18 +68,45 @@ def main(recipe_path: str, sets: list[str], devices: int, modes: str, validate: 
             code = run_main(planned, [], os.path.join(path, "run"), None)
         if code != 0:
             return code
-        measured = load_run(os.path.join(path, "run"), records=False).summary["variants"]
+        summary = load_run(os.path.join(path, "run"), records=False).summary
+        measured = summary["variants"]
         for r in top:
             m = measured[r.candidate.name]["goodput"]
             result["validation"].append({"candidate": r.candidate.name, "predicted": r.goodput["mean"],
                                          "measured": m["mean"], "measured_interval": [m["lo"], m["hi"]],
-                                         "relative_error": relative_error(r.goodput["mean"], m["mean"])})
+                                         "relative_error": relative_error(r.goodput["mean"], m["mean"]),
+                                         "profile_check": profile_check(summary, r.candidate.name, base)})
         atomic_write(os.path.join(path, "plan.json"), dumps(result, indent=2))  # with what validation measured
     if json_:
         print(dumps(result, indent=2))
     else:
         render(result)
     return 0
+
+
+def profile_check(summary: dict, name: str, variant: object) -> dict:
+    """Beside a validation row, how far the profile's step model is from steps: `steps_mape_pct`, the worst
+    kind's MAPE of the validation run's own steps against it (pdlab.timing.check: timed workers keeping the
+    model), and `fit_mape_pct`, the profile's held-out MAPE against the hardware it was measured on (a
+    measured profile's `fit`)."""
+    from pdlab.timing.check import worst_mape
+
+    c = ((summary.get("profile_check") or {}).get("variants") or {}).get(name)
+    fit = variant.model.timing.fit or {}
+    return {"steps_mape_pct": worst_mape(c) if c else None,
+            "kinds": {k: e["mape_pct"] for k, e in c["kinds"].items() if e.get("steps")} if c else {},
+            "fit_mape_pct": (fit.get("held_out") or {}).get("mape_pct")}
+
+
+def _check_cell(c: Optional[dict]) -> str:
+    if not c:
+        return "—"
+    parts = []
+    if c.get("steps_mape_pct") is not None:
+        parts.append(f"steps {c['steps_mape_pct']:.0f}%")
+    if c.get("fit_mape_pct") is not None:
+        parts.append(f"fit {c['fit_mape_pct']:.0f}%")
+    return ", ".join(parts) or "—"
 
 
 def render(result: dict) -> None:
@@ -108,12 +135,16 @@ def render(result: dict) -> None:
     if result["validation"]:
         v = Table(title="predicted (simulated) against measured (worker processes, the same timing profile)",
                   title_justify="left")
-        for c in ("deployment", "predicted", "measured", "error"):
+        for c in ("deployment", "predicted", "measured", "error", "profile error (MAPE)"):
             v.add_column(c, justify="left" if c == "deployment" else "right")
         for r in result["validation"]:
             lo, hi = r["measured_interval"]
             meas = "—" if r["measured"] is None else (f"{r['measured']:.2f}" + (
                 f" ± {(hi - lo) / 2:.2f}" if lo is not None else ""))
             v.add_row(r["candidate"], "—" if r["predicted"] is None else f"{r['predicted']:.2f}", meas,
-                      "—" if r["relative_error"] is None else f"{r['relative_error'] * 100:+.0f}%")
+                      "—" if r["relative_error"] is None else f"{r['relative_error'] * 100:+.0f}%",
+                      _check_cell(r.get("profile_check")))
         console.print(v)
+        console.print("profile error: the validation run's steps against the profile (steps: the worst kind's "
+                      "MAPE; pdlab profile --check) and the profile's own held-out fit on the machine it measured "
+                      "(fit)")

@@ -104,10 +104,24 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
             grid = {v: harness.recipe.rates for v in recipe.variant_names}  # relative rates resolved
             finalize(rd, harness.slo, grid=grid, partial=partial, reason=reason, **harness.facts(warnings))
     _print_table(path)
+    _print_profile_check(path)
     if partial:
         print(f"run stopped early: {reason}", file=sys.stderr)
     print(path)
     return code
+
+
+def _print_profile_check(path: str) -> None:
+    """The run's last lines: its steps against the profile its recipe names (summary.json's profile_check)."""
+    import json
+
+    try:
+        with open(os.path.join(path, "summary.json")) as f:
+            lines = (json.load(f).get("profile_check") or {}).get("lines") or []
+    except (OSError, ValueError):
+        return
+    for line in lines:
+        print(f"profile check: {line}")
 
 
 def _print_table(path: str) -> None:

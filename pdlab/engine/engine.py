@@ -19,7 +19,7 @@ from pdlab.engine.sampler import make_generator, sample
 from pdlab.engine.scheduler import Scheduler
 from pdlab.engine.sequence import Sequence, Status
 from pdlab.engine.tensor_parallel import OP_STEP, describe_step
-from pdlab.engine.timed import StepTimeModel, TimedRunner
+from pdlab.engine.timed import StepCounts, StepTimeModel, TimedRunner, count_step
 
 CPU_AUTO_KV_BYTES = 1 << 30  # "auto" on CPU: at most 1 GiB of pool per worker
 @dataclass
@@ -34,6 +34,14 @@ class StepRecord:
     running: int
     preempted: int
     forward_s: float  # time inside the model forward (the rest is engine overhead)
+    # the rest of what the step computed (pdlab.engine.timed.StepCounts): what a timing profile's step model
+    # reads, so `pdlab profile --check` can hold a profile against a run's own steps
+    context_tokens: int = 0
+    prefill_pairs: int = 0
+    chunks: int = 0
+    fresh_pairs: int = 0
+    resumed_pairs: int = 0
+    resumed_context: int = 0
 
 
 @dataclass
@@ -216,11 +224,10 @@ class Engine:
         if not batch.seqs:
             rec = None
             if batch.preempted or batch.failed:
-                rec = self._record(start, self.now(), 0, 0, len(batch.preempted), 0.0)
+                rec = self._record(start, self.now(), StepCounts(), len(batch.preempted), 0.0)
             return StepOutput(rec, outs)
         trio = list(zip(batch.seqs, batch.num_tokens, batch.decode))
-        prefill_tokens = sum(n for _, n, d in trio if not d)
-        decode_seqs = sum(batch.decode)
+        counts = count_step(trio)
         for s, n, d in trio:
             if s.t_first_scheduled is None:
                 s.t_first_scheduled = start
@@ -256,12 +263,13 @@ class Engine:
             for s, tok in zip(sampling, tokens):
                 outs.append(self._append(s, tok))
         end = self.now()
-        return StepOutput(self._record(start, end, prefill_tokens, decode_seqs, len(batch.preempted), forward_s), outs)
+        return StepOutput(self._record(start, end, counts, len(batch.preempted), forward_s), outs)
 
-    def _record(self, start: float, end: float, prefill_tokens: int, decode_seqs: int, preempted: int,
-                forward_s: float) -> StepRecord:
-        return StepRecord(start, end, prefill_tokens, decode_seqs, self.blocks.num_used, self.blocks.num_blocks,
-                          len(self.scheduler.waiting), len(self.scheduler.running), preempted, forward_s)
+    def _record(self, start: float, end: float, c: StepCounts, preempted: int, forward_s: float) -> StepRecord:
+        return StepRecord(start, end, c.prefill_tokens, c.decode_seqs, self.blocks.num_used, self.blocks.num_blocks,
+                          len(self.scheduler.waiting), len(self.scheduler.running), preempted, forward_s,
+                          c.context_tokens, c.prefill_pairs, c.chunks, c.fresh_pairs, c.resumed_pairs,
+                          c.resumed_context)
 
     def _append(self, seq: Sequence, tok: int) -> TokenOut:
         seq.output_ids.append(tok)

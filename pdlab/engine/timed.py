@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 import zlib
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional, Protocol
 
 import numpy as np
@@ -40,8 +41,43 @@ _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 class StepTimeModel(Protocol):
     """A modelled step time (pdlab.recipe.TimingProfile is one; the engine does not import the recipe)."""
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_pairs: int = 0) -> float:
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_pairs: int = 0,
+               chunks: int = 0, fresh_pairs: int = 0, resumed_pairs: int = 0, resumed_context: int = 0) -> float:
         ...
+
+
+@dataclass(frozen=True)
+class StepCounts:
+    """What one step computes, counted before it advances its sequences: the step model's variables.
+
+    A prefill chunk of n tokens starting at position `start` is *fresh* when start is 0 (it attends only to
+    itself: causal, n (n + 1) / 2 pairs) and *resumed* otherwise (a later chunk of a chunked prompt, or a
+    prompt after a prefix-cache hit). The two take different code paths on a CPU: a fresh chunk runs causal
+    attention over its own K/V (pdlab's prefill kernel or SDPA), a resumed one gathers its whole context
+    from the pool's blocks and runs SDPA with an explicit mask over the full n x (start + n) rectangle
+    (pdlab.engine.attention). Hence `fresh_pairs` (the fresh chunks' causal pairs), `resumed_pairs` (the
+    resumed chunks' rectangles) and `resumed_context` (their gathered tokens) beside the causal
+    `prefill_pairs` every chunk has: a profile can then give each path its own cost per pair (on an AVX2
+    EPYC a fresh chunk's pair cost more than a resumed one's, the kernel losing to SDPA at long chunks)."""
+
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    context_tokens: int = 0  # tokens attended by the decode sequences (each its context + its new token)
+    prefill_pairs: int = 0  # sum over prefill chunks of n x start + n (n + 1) / 2: causal attention pairs
+    chunks: int = 0  # prefill chunks in the step
+    fresh_pairs: int = 0  # sum over fresh chunks of n (n + 1) / 2
+    resumed_pairs: int = 0  # sum over resumed chunks of n x (start + n)
+    resumed_context: int = 0  # sum over resumed chunks of start + n
+
+    @property
+    def kind(self) -> str:
+        """prefill (no decode), decode (no prefill) or mixed."""
+        if self.decode_seqs == 0:
+            return "prefill"
+        return "decode" if self.prefill_tokens == 0 else "mixed"
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
 
 
 def wait_until(deadline: float, spin_s: float = SPIN_S) -> float:
@@ -56,18 +92,37 @@ def wait_until(deadline: float, spin_s: float = SPIN_S) -> float:
     return now
 
 
+def count_step(trio: list[tuple[Any, int, bool]]) -> StepCounts:
+    """The StepCounts of a step's (sequence, new tokens, is decode) triples, before it advances them."""
+    prefill = decode = context = pairs = chunks = fresh = resumed_pairs = resumed_context = 0
+    for s, n, d in trio:
+        start = s.num_computed
+        if d:
+            decode += 1
+            context += start + n
+            continue
+        prefill += n
+        pairs += n * start + n * (n + 1) // 2
+        chunks += 1
+        if start:
+            resumed_pairs += n * (start + n)
+            resumed_context += start + n
+        else:
+            fresh += n * (n + 1) // 2
+    return StepCounts(prefill, decode, context, pairs, chunks, fresh, resumed_pairs, resumed_context)
+
+
+def modelled_s(timing: StepTimeModel, c: StepCounts) -> float:
+    """The modelled time of a step of counts `c`, in seconds."""
+    return timing.step_s(c.prefill_tokens, c.decode_seqs, c.context_tokens, c.prefill_pairs, c.chunks,
+                         c.fresh_pairs, c.resumed_pairs, c.resumed_context)
+
+
 def step_counts(trio: list[tuple[Any, int, bool]]) -> tuple[int, int, int, int]:
     """(prefill tokens, decode sequences, context tokens of the decodes, prefill token x context pairs) of a
     step's (sequence, new tokens, is decode) triples, counted before the step advances the sequences."""
-    prefill = decode = context = pairs = 0
-    for s, n, d in trio:
-        if d:
-            decode += 1
-            context += s.num_computed + n
-        else:
-            prefill += n
-            pairs += n * s.num_computed + n * (n + 1) // 2
-    return prefill, decode, context, pairs
+    c = count_step(trio)
+    return c.prefill_tokens, c.decode_seqs, c.context_tokens, c.prefill_pairs
 
 
 def kv_values(token_ids: np.ndarray, positions: np.ndarray, layers: int) -> np.ndarray:
@@ -148,7 +203,7 @@ class TimedRunner:
     def run(self, trio: list[tuple[Any, int, bool]], start: float) -> float:
         """Wait out the modelled step that began at `start`, writing the KV of the tokens it computes (all
         layers at once, or each layer before its hook); returns its end."""
-        step = self.timing.step_s(*step_counts(trio))
+        step = modelled_s(self.timing, count_step(trio))
         # What the step computes into the pool: each prefill chunk's tokens (a prompt's, or a recomputed
         # sequence's). A decode step's KV is not written: the digest reads the prompt's slots only, and only
         # a later prompt holding generated tokens could meet those slots through the prefix cache.

@@ -146,7 +146,7 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                   modelled: Optional[dict[str, str]] = None, expect: Any = None,
                   run: Optional[dict] = None, trace: Optional[dict[str, dict]] = None,
                   kernels: Optional[dict[str, dict]] = None,
-                  rates_resolved: Optional[dict[str, float]] = None) -> dict:
+                  rates_resolved: Optional[dict[str, float]] = None, profile_check: Optional[dict] = None) -> dict:
     """The summary of a run. `grid`: variant -> planned rates or "auto" (variants in run order; one that has no
     records is listed with `ran: false`); default: the variants found in the records. `alone`: the
     calibration ({ttft_ms, itl_ms, ...}); `relative`: the SLO multipliers it resolved; `floors`: (variant,
@@ -230,7 +230,10 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
             # variant -> {workers: worker -> kernel -> choice, describe: one line} (pdlab.measure.kernels)
             "kernels": dict(kernels or {}),
             # rates written relative to the machine (0.5x: of 1 / TTFT alone) -> the req/s they resolved to
-            "rates_resolved": dict(rates_resolved or {})}
+            "rates_resolved": dict(rates_resolved or {}),
+            # each variant's steps against the timing profile its recipe names (pdlab.timing.check): per kind of
+            # step MAPE and measured/predicted, host time; `lines`: what the run printed last
+            "profile_check": dict(profile_check or {})}
 
 
 def _nixl_over_tcp(transfers: list[dict]) -> list[str]:

@@ -33,6 +33,9 @@ class ModelSpec(Section):
     seed: int = spec(0, "an integer >= 0 (weights seed of a preset)", to_int(0))
     # None: the model runs; a profile (a name, a path, or inline step terms): steps take the modelled time
     timing: Optional[TimingProfile] = spec(None, parse=parse_timing)
+    # a model that runs: the timing profile its steps are held against at the end of a run (pdlab.timing.check);
+    # with `timing` set the steps are checked against that profile instead (a base model may carry both)
+    check_timing: Optional[TimingProfile] = spec(None, parse=parse_timing)
 
     @classmethod
     def from_raw(cls, raw: object, where: str) -> "ModelSpec":

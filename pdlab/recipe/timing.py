@@ -10,6 +10,13 @@ times are the profile's, not the hardware's, and every output says so.
     step time = fixed_ms + prefill_token_ms * prefill tokens
                 + prefill_attention_ms * (prefill token x context pairs) / 1000
                 + decode_seq_ms * decode sequences + context_token_ms * context tokens of the decodes
+                + chunk_ms * prefill chunks
+                + fresh_pair_ms * (fresh chunk tokens x (tokens + 1) / 2) / 1000
+                + resumed_pair_ms * (resumed chunk tokens x (start + tokens)) / 1000
+                + resumed_context_ms * context tokens of resumed chunks
+
+A *fresh* chunk starts a prompt, a *resumed* one continues it (start > 0: chunked prefill, a prefix-cache
+hit); on a CPU the two take different code paths (pdlab.engine.timed.StepCounts), hence their own terms.
 
     model: {preset: tiny-llama, timing: {fixed_ms: 5, prefill_token_ms: 0.5, decode_seq_ms: 1}}   # inline
     model: {preset: gpu-0.6b, timing: h200-0.6b-analytic}        # a profile shipped in pdlab/profiles/
@@ -17,8 +24,9 @@ times are the profile's, not the hardware's, and every output says so.
 
 A profile file is YAML, readable without pdlab: `name`, `source` (measured | analytic), `device`,
 `date`, `model`, `step` (the terms above), `kv_bytes_per_token`, `kv_memory_gb` (what "auto" KV sizing
-may use on the modelled device), `transfer` ({transport: {gbps, latency_ms}}) and, when measured,
-`fit` (how well the step model fits held-out steps).
+may use on the modelled device), `transfer` ({transport: {gbps, latency_ms}}), `host` (a worker's own time
+between steps and the message hops: the simulator adds them), and, when measured, `kernels` (the CPU kernels
+the measured steps ran, pdlab.engine.kernel_check) and `fit` (how well the step model fits held-out steps).
 """
 
 from __future__ import annotations
@@ -55,17 +63,39 @@ class StepTiming(Section):
     prefill_attention_ms: float = spec(0.0, f"{MS} (per 1000 prefill token x context token pairs)", _ms)
     decode_seq_ms: float = spec(0.0, f"{MS} (per decode sequence in the step)", _ms)
     context_token_ms: float = spec(0.0, f"{MS} (per context token attended by the step's decode sequences)", _ms)
+    chunk_ms: float = spec(0.0, f"{MS} (per prefill chunk in the step)", _ms)
+    fresh_pair_ms: float = spec(0.0, f"{MS} (per 1000 causal token pairs of chunks that start a prompt)", _ms)
+    resumed_pair_ms: float = spec(0.0, f"{MS} (per 1000 token x context pairs of chunks that resume a prompt)", _ms)
+    resumed_context_ms: float = spec(0.0, f"{MS} (per context token of chunks that resume a prompt)", _ms)
 
     def check(self, where: str) -> None:
         if not any(getattr(self, k) > 0 for k in self.keys()):
             raise RecipeError(f"{where}: every term is 0; expected at least one of {', '.join(self.keys())} > 0 "
                               "(or timing: null for the real step time)")
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_pairs: int = 0) -> float:
-        """The modelled time of a step, in seconds. `prefill_pairs`: sum over the step's prefill chunks of
-        tokens x the context each attends (the quadratic part of attention)."""
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_pairs: int = 0,
+               chunks: int = 0, fresh_pairs: int = 0, resumed_pairs: int = 0, resumed_context: int = 0) -> float:
+        """The modelled time of a step, in seconds (the counts: pdlab.engine.timed.StepCounts). `prefill_pairs`:
+        sum over the step's prefill chunks of tokens x the context each attends (the quadratic part of
+        attention)."""
         return (self.fixed_ms + self.prefill_token_ms * prefill_tokens + self.prefill_attention_ms * prefill_pairs
-                / 1000.0 + self.decode_seq_ms * decode_seqs + self.context_token_ms * context_tokens) / 1000.0
+                / 1000.0 + self.decode_seq_ms * decode_seqs + self.context_token_ms * context_tokens
+                + self.chunk_ms * chunks + self.fresh_pair_ms * fresh_pairs / 1000.0
+                + self.resumed_pair_ms * resumed_pairs / 1000.0
+                + self.resumed_context_ms * resumed_context) / 1000.0
+
+
+@dataclass(frozen=True)
+class HostTiming(Section):
+    """A worker's own time around its steps, which the step model leaves out (all in milliseconds): what the
+    simulator adds so that its TTFT and ITL carry them, as a run's do."""
+
+    gap_ms: float = spec(0.0, f"{MS} (a worker's own time between back-to-back steps: sending tokens and "
+                              "records, reading messages)", _ms)
+    hop_ms: float = spec(0.0, f"{MS} (a request's submission to its worker, as far as the worker's next step "
+                              "can start: harness, router, socket)", _ms)
+    handoff_ms: float = spec(0.0, f"{MS} (a finished prefill to the decode worker acting on it: prefill -> router "
+                                  "-> decode)", _ms)
 
 
 @dataclass(frozen=True)
@@ -98,6 +128,8 @@ class TimingProfile(Section):
     name: str = spec("inline", "a string", to_text)
     source: str = spec("inline", f"one of {', '.join(SOURCES)}", lambda v: _one(v, SOURCES))
     device: str = spec("", "a string (what was measured or modelled)", to_text)
+    device_kind: str = spec("", "cpu, cuda, or empty (the kind of device measured or modelled)",
+                            lambda v: _one(v, ("", "cpu", "cuda")))
     date: str = spec("", "a string", lambda v: to_text(str(v)))
     model: str = spec("", "a string (the model profiled)", to_text)
     # one modelled engine instance spans this many devices (its TP degree): a timed or simulated worker stands in
@@ -110,11 +142,18 @@ class TimingProfile(Section):
     kv_memory_gb: Optional[float] = spec(None, "a number > 0 (KV memory of the modelled device, GB)",
                                          optional(to_float(0.0)))
     transfer: tuple[tuple[str, TransferTiming], ...] = spec((), parse=_transfers)
+    host: HostTiming = spec(HostTiming(), "a worker's host time (gap_ms, hop_ms, handoff_ms)",
+                            parse=section(HostTiming))
+    # kernel -> {use, why, kernel_ms, torch_ms}: the CPU kernels the measured steps ran (pdlab.engine.kernel_check)
+    kernels: Optional[dict] = spec(None, "a mapping kernel -> its choice (which CPU kernels the steps ran)",
+                                   lambda v: _mapping(v))
     fit: Optional[dict] = spec(None, "a mapping (how well the step model fits held-out steps)",
                                lambda v: _mapping(v))
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_pairs: int = 0) -> float:
-        return self.step.step_s(prefill_tokens, decode_seqs, context_tokens, prefill_pairs)
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_pairs: int = 0,
+               chunks: int = 0, fresh_pairs: int = 0, resumed_pairs: int = 0, resumed_context: int = 0) -> float:
+        return self.step.step_s(prefill_tokens, decode_seqs, context_tokens, prefill_pairs, chunks, fresh_pairs,
+                                resumed_pairs, resumed_context)
 
     def transfer_of(self, transport: str) -> Optional[TransferTiming]:
         return dict(self.transfer).get(transport)

@@ -13,6 +13,13 @@ push overlaps the prefill step layer by layer and lands the last layer's share a
 request's blocks are copied from the prefill engine's pool into the decode engine's (the timed pools are
 tiny), so the decode side samples from the KV it holds, as a decode worker does (pdlab.engine.timed).
 
+Host time (the profile's `host`, pdlab.timing.host): a worker starts its next step `gap_ms` after its last
+one ended (its own time in between: sending tokens, reading messages); a request reaches its worker `hop_ms`
+after its arrival; a hand-over reaches the decode side `handoff_ms` after the prefill ended (pull: the
+transfer starts then, and not before the decode worker's current step is over, since a worker reads its
+messages between steps; push: the decode worker admits the request that long after the KV landed). So
+simulated TTFT and ITL carry the time a run's do around its steps. Tokens are stamped at step ends.
+
 Everything it produces is modelled: it runs no model and measures nothing.
 """
 
@@ -80,6 +87,8 @@ class Simulator:
         dep = variant.deployment
         self.mode, self.first_token = dep.mode, dep.first_token
         self.xfer = self.timing.transfer_of(dep.transport) if dep.disaggregated else None
+        host = self.timing.host
+        self.gap_s, self.hop_s, self.handoff_s = host.gap_ms / 1e3, host.hop_ms / 1e3, host.handoff_ms / 1e3
         stand_in = load_stand_in(variant.model)
         self.workers: dict[str, _Worker] = {}
         for w in dep.workers:
@@ -123,7 +132,7 @@ class Simulator:
         events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, req id)
         seq = 0
         for r in sorted(state.values(), key=lambda r: r.arrival):
-            heapq.heappush(events, (r.arrival, seq, "arrive", r.wr.id))
+            heapq.heappush(events, (r.arrival + self.hop_s, seq, "arrive", r.wr.id))  # at its worker
             seq += 1
         self._events, self._seq = events, seq
         now = t0
@@ -163,7 +172,7 @@ class Simulator:
         r = self._reqs[rid]
         params = SamplingParams(max_tokens=r.wr.output_len, ignore_eos=True)
         if kind == "arrive":
-            r.phases["queued"] = now
+            r.phases["queued"] = r.arrival  # the router takes it at once; its worker sees it a hop later (now)
             if not self._of("decode"):
                 w = self._least_loaded("unified")
                 self._give(r, w, now)
@@ -186,6 +195,9 @@ class Simulator:
             p.holds.discard(rid)
             if self.first_token == "decode":
                 self._token(r, r.first, now)
+            self._reserve_waiting(now)
+        elif kind == "handed":  # pull: the decode side has the hand-over; it reserves and pulls
+            self._waiting_room.append(rid)
             self._reserve_waiting(now)
 
     def _give(self, r: _Req, w: _Worker, now: float) -> None:
@@ -228,6 +240,7 @@ class Simulator:
         skip = r.reservation.cached_blocks
         blocks = len(r.reservation.block_ids) - skip
         nbytes = blocks * d.engine.block_bytes
+        now = max(now, d.free_at)  # a worker reads its messages between steps
         end = now + self._transfer_s(nbytes)
         r.phases.update(transfer_start=now, transfer_end=end)
         self._transfers.append({**self._tag, "request": r.wr.id, "bytes": nbytes, "blocks": blocks, "start": now,
@@ -244,7 +257,7 @@ class Simulator:
         if out.record is None and not out.tokens:
             return False
         end = w.clock.t
-        w.free_at = end
+        w.free_at = end + self.gap_s  # the worker's own time before its next step
         if out.record is not None:
             self._steps.append({**self._tag, "worker": w.name, "role": w.role, **out.record.__dict__})
         for t in out.tokens:
@@ -272,8 +285,7 @@ class Simulator:
         if self.first_token == "prefill":
             self._token(r, info.first_token, end)
         if self.mode == "pull":
-            self._waiting_room.append(r.wr.id)
-            self._reserve_waiting(end)
+            self._push(end + self.handoff_s, "handed", r.wr.id)
             return
         d = self.workers[r.decode]
         skip = r.reservation.cached_blocks
@@ -287,7 +299,7 @@ class Simulator:
                                 "start": record.start + step / self.layers, "end": land,
                                 "transport": self.v.deployment.transport, "mode": "push", "src": p.name,
                                 "dst": d.name, "saved_bytes": skip * d.engine.block_bytes, "copy_s": c})
-        self._push(land, "land", r.wr.id)
+        self._push(land + self.handoff_s, "land", r.wr.id)  # admitted once the decode side hears of it
 
     def _token(self, r: _Req, token: int, t: float) -> None:
         if not r.tokens:

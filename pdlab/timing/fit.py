@@ -1,9 +1,20 @@
 """Fitting the step model and the transfer model (numpy only).
 
-The step model (pdlab.recipe.StepTiming) is linear with non-negative terms:
+The step model (pdlab.recipe.StepTiming) is linear with non-negative terms in what a step computes
+(pdlab.engine.timed.StepCounts):
 
     ms = fixed_ms + prefill_token_ms * prefill tokens + prefill_attention_ms * pairs / 1000
          + decode_seq_ms * decode sequences + context_token_ms * context tokens
+         + chunk_ms * prefill chunks + fresh_pair_ms * fresh pairs / 1000
+         + resumed_pair_ms * resumed pairs / 1000 + resumed_context_ms * resumed context
+
+The last four are kernel regimes and chunk boundaries the first five cannot tell apart (issue 25): a chunk
+that starts a prompt runs causal attention over itself (pdlab's prefill kernel or SDPA: fresh pairs), one
+that resumes a prompt gathers its context from the pool and runs masked SDPA over the whole rectangle
+(tokens x context: resumed pairs, resumed context), and each chunk has a cost of its own (its segment, its
+sampled row). prefill_attention_ms prices every causal pair alike, as a fused GPU kernel does; the fresh
+and resumed terms price the two CPU paths apart (on an AVX2 EPYC a fresh pair cost 0.22 us, a resumed one
+about 0.15, one core).
 
 It is fitted by non-negative least squares (Lawson-Hanson active set, `nnls`) on *relative* residuals: each
 step's row is divided by its measured time, so a 3 ms decode step counts as much as a 300 ms prefill and the
@@ -18,7 +29,10 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-TERMS = ("fixed_ms", "prefill_token_ms", "prefill_attention_ms", "decode_seq_ms", "context_token_ms")
+from pdlab.engine.timed import StepCounts
+
+TERMS = ("fixed_ms", "prefill_token_ms", "prefill_attention_ms", "decode_seq_ms", "context_token_ms", "chunk_ms",
+         "fresh_pair_ms", "resumed_pair_ms", "resumed_context_ms")
 KINDS = ("prefill", "decode", "mixed")
 
 
@@ -64,26 +78,26 @@ def nnls(a: np.ndarray, b: np.ndarray, max_iter: Optional[int] = None) -> np.nda
 
 @dataclass(frozen=True)
 class StepSample:
-    """One measured engine step: what it computed (pdlab.engine.timed.step_counts) and how long it took."""
+    """One engine step: what it computed and how long it took (ms), measured (pdlab.timing.measure) or read
+    from a run's steps.jsonl (pdlab.timing.check)."""
 
-    prefill_tokens: int
-    decode_seqs: int
-    context_tokens: int
-    prefill_pairs: int
+    counts: StepCounts
     ms: float
     case: int = 0  # the designed case it came from (train/test split by case)
+    cpu_ms: Optional[float] = None  # the process's CPU time over the step (measured on a CPU): ms less this is
+    #                                 time the core spent on other processes
 
     @property
     def kind(self) -> str:
-        if self.decode_seqs == 0:
-            return "prefill"
-        return "decode" if self.prefill_tokens == 0 else "mixed"
+        return self.counts.kind
 
 
 def features(samples: Iterable[StepSample]) -> np.ndarray:
-    """Rows [1, prefill tokens, pairs / 1000, decode sequences, context tokens]: the StepTiming terms."""
-    return np.array([[1.0, s.prefill_tokens, s.prefill_pairs / 1000.0, s.decode_seqs, s.context_tokens]
-                     for s in samples], dtype=float).reshape(-1, len(TERMS))
+    """One row per step, one column per StepTiming term (TERMS), in the term's unit."""
+    return np.array([[1.0, c.prefill_tokens, c.prefill_pairs / 1000.0, c.decode_seqs, c.context_tokens, c.chunks,
+                      c.fresh_pairs / 1000.0, c.resumed_pairs / 1000.0, c.resumed_context]
+                     for c in (s.counts for s in samples)],
+                    dtype=float).reshape(-1, len(TERMS))
 
 
 def fit_steps(samples: Sequence[StepSample]) -> dict[str, float]:
@@ -98,7 +112,8 @@ def fit_steps(samples: Sequence[StepSample]) -> dict[str, float]:
 
 
 def predict(coef: dict[str, float], samples: Sequence[StepSample]) -> np.ndarray:
-    return features(samples) @ np.array([coef[k] for k in TERMS])
+    """Predicted ms of each step; a term `coef` lacks counts as 0 (a profile written before it existed)."""
+    return features(samples) @ np.array([coef.get(k, 0.0) for k in TERMS])
 
 
 def errors(coef: dict[str, float], samples: Sequence[StepSample]) -> dict:

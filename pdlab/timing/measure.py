@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from pdlab.constants import cdiv
+from pdlab.engine.timed import StepCounts
 from pdlab.timing.fit import StepSample, fit_transfer
 
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
@@ -121,26 +122,50 @@ def warmup_cases(lim: Limits) -> list[Case]:
     return [Case(c.kind, c.budget, c.chunked, clip(c.prompts), clip(c.decoders), c.steps) for c in WARMUP]
 
 
-def _observe(eng: Any) -> Callable[[], Optional[tuple[int, int, int, int]]]:
+def _observe(eng: Any) -> Callable[[], Optional[StepCounts]]:
     """Wrap this engine's scheduler.schedule (on the instance) to read each batch's step counts before the
     step advances its sequences. Returns a function giving the last step's counts (None: nothing scheduled)."""
-    from pdlab.engine.timed import step_counts
+    from pdlab.engine.timed import count_step
 
     inner = eng.scheduler.schedule
-    last: list[Optional[tuple[int, int, int, int]]] = [None]
+    last: list[Optional[StepCounts]] = [None]
 
     def schedule() -> Any:
         batch = inner()
-        last[0] = step_counts(list(zip(batch.seqs, batch.num_tokens, batch.decode))) if batch.seqs else None
+        last[0] = count_step(list(zip(batch.seqs, batch.num_tokens, batch.decode))) if batch.seqs else None
         return batch
 
     eng.scheduler.schedule = schedule
 
-    def take() -> Optional[tuple[int, int, int, int]]:
+    def take() -> Optional[StepCounts]:
         c, last[0] = last[0], None
         return c
 
     return take
+
+
+class PoolSlices:
+    """Case engines' pools as slices of one pool of a worker's size, allocated once the way a worker allocates
+    its own (pdlab.timing.process): steps read and write KV where a serving worker's would, in the same kind
+    of memory, without allocating and zeroing a worker-sized pool per case. Cases take the first blocks, the
+    primer the last."""
+
+    def __init__(self, pool: Any):
+        self.pool = pool
+
+    def head(self, shape: tuple, dtype: Any, device: Any = None) -> Any:
+        return self._take(shape, dtype, 0)
+
+    def tail(self, shape: tuple, dtype: Any, device: Any = None) -> Any:
+        return self._take(shape, dtype, self.pool.shape[2] - shape[2])
+
+    def _take(self, shape: tuple, dtype: Any, first: int) -> Any:
+        p = self.pool
+        if tuple(shape[:2]) != tuple(p.shape[:2]) or tuple(shape[3:]) != tuple(p.shape[3:]) or dtype != p.dtype:
+            raise ValueError(f"a pool of {tuple(shape)} {dtype} is not a slice of {tuple(p.shape)} {p.dtype}")
+        if shape[2] > p.shape[2] // 2:
+            raise ValueError(f"{shape[2]} blocks asked of a pool of {p.shape[2]}: cases take at most half")
+        return p[:, :, first:first + shape[2]]
 
 
 class Primer:
@@ -149,13 +174,15 @@ class Primer:
     steps after setting a case up (a new pool, random KV, a garbage collection) ran up to 2x slower on the
     CPU box: caches and allocator, not the step's work."""
 
-    def __init__(self, model: Any, rng: np.random.Generator, seqs: int = 4, context: int = 100):
+    def __init__(self, model: Any, rng: np.random.Generator, seqs: int = 4, context: int = 100,
+                 pool: Optional[PoolSlices] = None):
         from pdlab.engine import Engine, EngineConfig
 
         self.rng, self.seqs, self.context = rng, seqs, context
         self.vocab = model.config.vocab_size
         self.eng = Engine(model, EngineConfig(block_size=16, kv_blocks=seqs * cdiv(context + 64, 16) + 16,
-                                              prefix_caching=False, max_running=seqs))
+                                              prefix_caching=False, max_running=seqs),
+                          kv_alloc=pool.tail if pool else None)
 
     def __call__(self, steps: int = 4) -> None:
         from pdlab.engine import SamplingParams
@@ -171,8 +198,9 @@ class Primer:
 
 
 def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0, block_size: int = 16,
-             primer: Optional[Primer] = None) -> list[StepSample]:
-    """Run one case on a fresh engine (after `primer`'s warm-up steps); the steps it recorded."""
+             primer: Optional[Primer] = None, pool: Optional[PoolSlices] = None) -> list[StepSample]:
+    """Run one case on a fresh engine (after `primer`'s warm-up steps), its pool a slice of `pool` when
+    given; the steps it recorded."""
     import torch
 
     from pdlab.engine import Engine, EngineConfig, SamplingParams
@@ -183,7 +211,7 @@ def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0,
     cfg = EngineConfig(block_size=block_size, kv_blocks=2 * need + 16, token_budget=case.budget,
                        chunked_prefill=case.chunked, prefix_caching=False,
                        max_running=max(1, len(case.decoders) + len(case.prompts)))
-    eng = Engine(model, cfg)
+    eng = Engine(model, cfg, kv_alloc=pool.head if pool else None)
     cuda = eng.device.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     take = _observe(eng)
@@ -207,14 +235,15 @@ def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0,
         if not eng.has_work():
             break
         sync()
+        cpu = time.process_time()
         step = eng.step()
         sync()
-        t_end = time.monotonic()
+        t_end, cpu = time.monotonic(), time.process_time() - cpu
         counts = take()
         rec = step.record
         if rec is not None and counts is not None and not rec.preempted:
             end = t_end if cuda else rec.end
-            out.append(StepSample(*counts, ms=(end - rec.start) * 1000.0, case=case_id))
+            out.append(StepSample(counts, (end - rec.start) * 1000.0, case_id, None if cuda else cpu * 1000.0))
         if case.prompts and all(s.is_decode for s in eng.seqs.values()):
             break  # every prompt is prefilled (a prefill case's requests have finished)
     for rid in list(eng.seqs):
@@ -224,14 +253,15 @@ def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0,
 
 
 def measure_steps(model: Any, cases: list[Case], lim: Limits, rng: np.random.Generator,
-                  progress: Optional[Callable[[int, int], None]] = None) -> list[StepSample]:
+                  progress: Optional[Callable[[int, int], None]] = None,
+                  pool: Optional[PoolSlices] = None) -> list[StepSample]:
     """Warm up (each kind, unrecorded), then run `cases`; every recorded step, tagged with its case index."""
-    primer = Primer(model, rng)
+    primer = Primer(model, rng, pool=pool)
     for c in warmup_cases(lim):
-        run_case(model, c, rng, -1, primer=primer)
+        run_case(model, c, rng, -1, primer=primer, pool=pool)
     samples: list[StepSample] = []
     for i, c in enumerate(cases):
-        samples.extend(run_case(model, c, rng, i, primer=primer))
+        samples.extend(run_case(model, c, rng, i, primer=primer, pool=pool))
         if progress:
             progress(i + 1, len(samples))
     return samples

@@ -33,16 +33,23 @@ def sig(x: Any, digits: int = 4) -> Any:
 
 def profile_raw(*, name: str, source: str, device: str, date: str, model: str, step: dict[str, float],
                 kv_bytes_per_token: int, kv_memory_gb: Optional[float], transfer: dict[str, dict],
-                fit: Optional[dict] = None) -> dict:
+                fit: Optional[dict] = None, device_kind: str = "", host: Optional[dict] = None,
+                kernels: Optional[dict] = None) -> dict:
     """The profile's plain form, in the order a reader wants it (TimingProfile's keys, and the format mark)."""
     raw: dict[str, Any] = {"pdlab_timing_profile": FORMAT_VERSION, "name": name, "source": source,
-                           "device": device, "date": date, "model": model,
-                           "step": {k: sig(float(v)) for k, v in step.items()},
-                           "kv_bytes_per_token": int(kv_bytes_per_token)}
+                           "device": device}
+    if device_kind:
+        raw["device_kind"] = device_kind
+    raw.update(date=date, model=model, step={k: sig(float(v)) for k, v in step.items()},
+               kv_bytes_per_token=int(kv_bytes_per_token))
     if kv_memory_gb is not None:
         raw["kv_memory_gb"] = sig(float(kv_memory_gb))
     raw["transfer"] = {k: {"gbps": sig(float(t["gbps"])), "latency_ms": sig(float(t.get("latency_ms", 0.0)))}
                        for k, t in transfer.items()}
+    if host:
+        raw["host"] = {k: sig(float(v)) for k, v in host.items()}
+    if kernels:
+        raw["kernels"] = sig(kernels)
     if fit is not None:
         raw["fit"] = sig(fit)
     return raw

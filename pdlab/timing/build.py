@@ -1,0 +1,135 @@
+"""A profile from a measurement (pdlab.timing.process's result): the split, the fit, its held-out errors and
+whether they are good enough, the transports, the host time and the kernels, as the profile's plain form
+and the lines `pdlab profile` prints."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Optional
+
+import numpy as np
+
+from pdlab.constants import PROFILE_MAX_P90_PCT, PROFILE_MIN_R2
+
+BUSY_SHARE = 0.9  # a measuring process with less of its core than this: the box was busy
+from pdlab.engine.timed import StepCounts
+from pdlab.timing import fit as F
+from pdlab.timing.host import host_raw
+from pdlab.timing.write import profile_raw
+
+
+def samples_of(res: dict) -> list[F.StepSample]:
+    return [F.StepSample(StepCounts(**c), float(ms), int(case), cpu) for c, ms, case, cpu in res["steps"]]
+
+
+def cpu_share(ss: list[F.StepSample]) -> Optional[float]:
+    """The measuring process's CPU time over the steps' wall time (None: not measured, as on CUDA). Pinned to
+    one core with one thread it is about 1 when the core was its own."""
+    cpu = [s for s in ss if s.cpu_ms is not None]
+    wall = sum(s.ms for s in cpu)
+    return sum(s.cpu_ms for s in cpu) / wall if cpu and wall > 0 else None
+
+
+def fit_warnings(held: dict, kinds: dict[str, dict], steps: int) -> list[str]:
+    """Held-out R^2 below PROFILE_MIN_R2 or p90 error above PROFILE_MAX_P90_PCT, overall or for a kind of step,
+    each with what to do about it."""
+    bad = []
+    for label, e in [("all steps", held)] + [(f"{k} steps", kinds[k]) for k in F.KINDS]:
+        if not e.get("steps"):
+            continue
+        why = []
+        if e.get("r2") is not None and e["r2"] < PROFILE_MIN_R2:
+            why.append(f"R^2 {e['r2']:.2f} < {PROFILE_MIN_R2}")
+        if e["p90_pct"] > PROFILE_MAX_P90_PCT:
+            why.append(f"p90 error {e['p90_pct']:.0f}% > {PROFILE_MAX_P90_PCT:.0f}%")
+        if why:
+            bad.append(f"{label}: {', '.join(why)}")
+    if not bad:
+        return []
+    return [f"the step model does not fit the held-out steps well ({'; '.join(bad)}): simulated and timed runs "
+            "from this profile will be off by as much. On a CPU the usual cause is other processes on the "
+            "measured core (see `uptime`): measure again on a quiet machine, or pin the measurement to an idle "
+            f"core (--cores N); with more steps (--steps {2 * steps}) the fit has more to go on. "
+            "Check it against a real run with pdlab profile --check RUN_DIR --profile FILE."]
+
+
+def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int, seed: int, test_fraction: float,
+                  host: Optional[dict], name: str) -> tuple[dict, list[str]]:
+    """(the profile's plain form, the lines to print) from the measuring process's result `res`."""
+    ss = samples_of(res)
+    case_kinds = dict(enumerate(res["case_kinds"]))
+    train, test = F.split_by_case(ss, case_kinds, test_fraction, np.random.default_rng(seed + 1))
+    coef = F.fit_steps(train)
+    held, train_err, kinds = F.errors(coef, test), F.errors(coef, train), F.by_kind(coef, test)
+    warnings = fit_warnings(held, kinds, steps)
+    share = cpu_share(ss)
+    if share is not None and share < BUSY_SHARE:
+        warnings.insert(0, f"the measuring process ran {share:.0%} of its steps' time (its CPU time over their wall "
+                           "time): other processes shared its core, and the step times include their interference; "
+                           "measure on a quiet machine or pin to an idle core (--cores N)")
+    transfers = res["transfers"]
+    usable = {k: t for k, t in transfers.items() if t["gbps"] is not None}
+    cuda = device.startswith("cuda")
+    fit = {
+        "method": "non-negative least squares on relative residuals (each step weighted by 1 / its time)",
+        "split": f"by case: {test_fraction:.0%} of the designed cases of each kind held out",
+        "train_steps": len(train), "test_steps": len(test),
+        "held_out": _drop_steps(held), "held_out_by_kind": kinds, "train": _drop_steps(train_err),
+        "steps_by_kind": {k: sum(s.kind == k for s in ss) for k in F.KINDS},
+        "measured_s": round(res["measured_s"], 1), "dtype": dtype, "threads": res["threads"],
+        "cores": res["cores"], "process": "spawned, pinned and set up as a worker (pdlab.timing.process)",
+        "malloc_tuned": res["malloc_tuned"], "cpu_share": share, "torch": res["torch"], "seed": seed,
+        "warnings": warnings,
+        "transfer": {k: {"bytes": t["bytes"], "ms": t["ms"], "baseline_gbps": t["baseline_gbps"], "note": t["note"]}
+                     for k, t in transfers.items()},
+    }
+    if host is not None:
+        fit["host"] = {"requests": host.get("requests"), "samples": host.get("samples"),
+                       "how": "a 1P1D pull deployment of the model serving requests one at a time "
+                              "(pdlab.timing.host_probe)"}
+    raw = profile_raw(name=name, source="measured", device=res["device"], date=datetime.date.today().isoformat(),
+                      model=model, step=coef, kv_bytes_per_token=res["kv_bytes_per_token"],
+                      kv_memory_gb=res["kv_memory_gb"], transfer=usable, fit=fit,
+                      device_kind="cuda" if cuda else "cpu", host=host_raw(host) if host else None,
+                      kernels=res["kernels"] or None)
+    report = [f"measured {len(ss)} steps in {res['measured_s']:.1f} s ({len(train)} to fit, {len(test)} held out)",
+              format_step(coef), format_errors("held-out error", held)]
+    report += [format_errors(f"  {k}", kinds[k]) for k in F.KINDS]
+    report += [format_errors("training error", train_err),
+               f"KV {res['kv_bytes_per_token']} bytes/token; kv_memory_gb {res['kv_memory_gb']:.3g}"]
+    if res["kernels"]:
+        report.append("CPU kernels: " + ", ".join(f"{k} {'kernel' if c['use'] else 'torch'}"
+                                                  for k, c in res["kernels"].items()))
+    for k, t in transfers.items():
+        sizes = ", ".join(f"{b / 1e6:.2f} MB {ms:.3f} ms" for b, ms in zip(t["bytes"], t["ms"]))
+        base = ", ".join(f"{g:.3g}" for g in t["baseline_gbps"])
+        gbps = "unbounded" if t["gbps"] is None else f"{t['gbps']:.3g} GB/s"
+        report.append(f"transfer {k}: {gbps}, latency {t['latency_ms']:.3g} ms (from {sizes}; a plain copy of "
+                      f"the same bytes: {base} GB/s)")
+    if not transfers:
+        report.append("transfer: no transport measured")
+    if host is not None:
+        report.append("host time: " + ", ".join(f"{k} {v:.3g} ms" for k, v in host_raw(host).items()) +
+                      f" (samples: {host['samples']})")
+    report += [f"warning: {w}" for w in warnings]
+    return raw, report
+
+
+def _drop_steps(e: dict) -> dict:
+    return {k: v for k, v in e.items() if k != "steps"}
+
+
+def format_step(c: dict) -> str:
+    return (f"step ms = {c['fixed_ms']:.4g} + {c['prefill_token_ms']:.4g} x prefill tokens + "
+            f"{c['prefill_attention_ms']:.4g} x pairs/1000 + {c['decode_seq_ms']:.4g} x decode seqs + "
+            f"{c['context_token_ms']:.4g} x context tokens + {c['chunk_ms']:.4g} x chunks + "
+            f"{c['fresh_pair_ms']:.4g} x fresh pairs/1000 + {c['resumed_pair_ms']:.4g} x resumed pairs/1000 + "
+            f"{c['resumed_context_ms']:.4g} x resumed context")
+
+
+def format_errors(label: str, e: dict) -> str:
+    if not e.get("steps"):
+        return f"{label}: no steps"
+    r2 = f", R^2 {e['r2']:.4f}" if e.get("r2") is not None else ""
+    return (f"{label} ({e['steps']} steps): MAPE {e['mape_pct']:.1f}%, p90 {e['p90_pct']:.1f}%, "
+            f"max {e['max_pct']:.1f}%{r2}")

@@ -1,0 +1,165 @@
+"""A timing profile held against a run's own steps: `pdlab profile --check RUN_DIR`, and the last line of a
+run whose recipe names a profile.
+
+Every step record carries what the step computed (pdlab.engine.timed.StepCounts), so the profile's step
+model predicts each step of the run and the error is read per kind of step (prefill-only, decode-only,
+mixed): MAPE, p90, and the median ratio measured / predicted (1.3x: the run's steps are 30% slower than
+the profile says). Beside it, the run's own host time (pdlab.timing.host) against the profile's.
+
+Which profile checks a variant's steps (`profile_for`): its `model.timing` when that names a profile (timed
+workers: how faithfully they kept the model), else its `model.check_timing`, else the profile another
+variant of the same model is timed with (a recipe that runs a model for real beside its modelled double).
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any, Optional
+
+from pdlab.constants import PROFILE_CHECK_MAPE_PCT
+from pdlab.engine.timed import StepCounts
+from pdlab.timing.fit import KINDS, StepSample, errors, predict
+from pdlab.timing.host import host_times
+
+COUNTS = tuple(StepCounts.__dataclass_fields__)
+
+
+class CheckError(ValueError):
+    """Records a profile cannot be checked against (one line)."""
+
+
+def samples(steps: list[dict]) -> list[StepSample]:
+    """The run's steps that computed something and preempted nothing, as StepSamples (ms: end - start)."""
+    out = []
+    for s in steps:
+        if s.get("preempted") or not (s.get("prefill_tokens") or s.get("decode_seqs")):
+            continue
+        if "context_tokens" not in s:
+            raise CheckError("steps.jsonl has no step counts beyond prefill tokens and decode sequences (a run "
+                             "recorded before pdlab wrote them): run it again to check a profile against it")
+        out.append(StepSample(StepCounts(**{k: int(s.get(k) or 0) for k in COUNTS}), (s["end"] - s["start"]) * 1e3))
+    return out
+
+
+def check_steps(profile: Any, steps: list[dict]) -> dict:
+    """{steps, overall, kinds: {kind: {steps, mape_pct, p90_pct, max_pct, r2, ratio}}}: the profile's step
+    model against `steps` (ratio: the median of measured / predicted)."""
+    ss = samples(steps)
+    coef = profile.step.to_raw()
+    out: dict = {"steps": len(ss), "overall": _errors(coef, ss), "kinds": {}}
+    for k in KINDS:
+        out["kinds"][k] = _errors(coef, [s for s in ss if s.kind == k])
+    return out
+
+
+def _errors(coef: dict, ss: list[StepSample]) -> dict:
+    e = errors(coef, ss)
+    if ss:
+        p = predict(coef, ss)
+        e["ratio"] = float(statistics.median(s.ms / max(x, 1e-9) for s, x in zip(ss, p)))
+    return e
+
+
+def profile_for(name: str, variants: dict[str, Any]) -> Optional[tuple[Any, str]]:
+    """(profile, why it is this one) for variant `name` of a recipe's resolved variants; None: no profile."""
+    v = variants[name]
+    if v.model.timing is not None:
+        return (v.model.timing, "its model.timing") if v.model.timing.source != "inline" else None
+    if v.model.check_timing is not None:
+        return v.model.check_timing, "its model.check_timing"
+    for other, w in variants.items():
+        t = w.model.timing
+        if (t is not None and t.source != "inline" and w.model.source == v.model.source
+                and w.model.dtype == v.model.dtype):
+            return t, f"variant {other}'s model.timing"
+    return None
+
+
+def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
+              profile: Optional[Any] = None, kernels: Optional[dict[str, dict]] = None) -> dict:
+    """variant -> {profile, by, modelled, steps, overall, kinds, host, profile_host, kernels} for every variant
+    with a profile to check (`profile` given: that one for every variant) and steps to check it on.
+    `kernels`: variant -> worker -> the CPU kernels it ran (env.json's cpu_kernels); `kernels` in the result is
+    a warning when they are not the profile's (pdlab.timing.provenance), else None."""
+    from pdlab.timing.provenance import worker_warning
+
+    out = {}
+    for name, v in variants.items():
+        found = (profile, "given") if profile is not None else profile_for(name, variants)
+        mine = [s for s in steps if s.get("variant") == name]
+        if found is None or not mine:
+            continue
+        p, by = found
+        res = check_steps(p, mine)
+        if not res["steps"]:
+            continue
+        host = host_times(mine, [r for r in requests if r.get("variant") == name])
+        out[name] = {"profile": p.name, "by": by, "modelled": v.model.modelled, **res, "host": host,
+                     "profile_host": p.host.to_raw(),
+                     "kernels": worker_warning(name, p, (kernels or {}).get(name) or {})}
+    return out
+
+
+def worst_mape(result: dict) -> Optional[float]:
+    """The largest MAPE over the kinds of step checked (None: none)."""
+    return max((e["mape_pct"] for e in result["kinds"].values() if e.get("steps")), default=None)
+
+
+def lines(checks: dict) -> tuple[list[str], list[str]]:
+    """(one line per variant checked, warnings: kinds of step beyond PROFILE_CHECK_MAPE_PCT, other kernels)."""
+    out, warn = [], []
+    for name, c in checks.items():
+        if c.get("kernels"):
+            warn.append(c["kernels"])
+        kinds = ", ".join(f"{k} {e['mape_pct']:.0f}% (x{e['ratio']:.2f}, {e['steps']})"
+                          for k, e in c["kinds"].items() if e.get("steps"))
+        h, ph = c["host"], c["profile_host"]
+        host = ", ".join(f"{k[:-3]} {_ms(h.get(k))} ({_ms(ph.get(k))})" for k in ("gap_ms", "hop_ms", "handoff_ms")
+                         if h.get(k) is not None)
+        what = "timed steps" if c["modelled"] else "steps"
+        out.append(f"{name}: {what} against profile {c['profile']} ({c['by']}): MAPE {kinds} [measured/predicted, "
+                   f"steps]" + (f"; host ms {host} [run (profile)]" if host else ""))
+        for k, e in c["kinds"].items():
+            if not e.get("steps") or e["mape_pct"] <= PROFILE_CHECK_MAPE_PCT:
+                continue
+            off = (f"{e['mape_pct']:.0f}% (MAPE; measured/modelled x{e['ratio']:.2f}), beyond "
+                   f"{PROFILE_CHECK_MAPE_PCT:.0f}%")
+            if c["modelled"]:  # timed workers wait the model out: only a late wake-up makes them longer
+                warn.append(f"{name}: its timed workers' {k} steps ran {off} off profile {c['profile']}: the box "
+                            "wakes them late (too loaded for the model's pace); its times are not the model's")
+            else:
+                warn.append(f"{name}: profile {c['profile']} predicts its {k} steps {off} off: it does not "
+                            "describe these workers; measure one here with pdlab profile")
+    return out, warn
+
+
+def _ms(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.2g}" if x < 10 else f"{x:.0f}"
+
+
+def run_facts(variants: dict[str, Any], steps: list[dict], requests: list[dict],
+              kernels: Optional[dict[str, dict]] = None) -> tuple[dict, list[str]]:
+    """What a run's summary says of its profiles: ({variants: check_run's result, lines}, warnings): the check
+    of every variant whose recipe names a profile, and the profile's provenance for timed variants (measured
+    on another CPU, with other kernels than this machine chooses: pdlab.timing.provenance)."""
+    try:
+        checks = check_run(variants, steps, requests, kernels=kernels)
+    except CheckError as e:
+        return {"variants": {}, "lines": [], "error": str(e)}, [f"profile check: {e}"]
+    out, warn = lines(checks)
+    return {"variants": checks, "lines": out}, warn + modelled_warnings(variants)
+
+
+def modelled_warnings(variants: dict[str, Any]) -> list[str]:
+    """pdlab.timing.provenance.machine_warnings of every modelled variant, once per profile."""
+    from pdlab.timing.provenance import machine_warnings
+
+    by: dict[str, list[str]] = {}
+    for name, v in variants.items():
+        if v.model.timing is not None and v.model.timing.source == "measured":
+            by.setdefault(v.model.timing.name, []).append(name)
+    out = []
+    for names in by.values():
+        v = variants[names[0]]
+        out += machine_warnings(", ".join(names), v.model.timing, v.model)
+    return out

@@ -1,0 +1,103 @@
+"""A worker's host time, read from a run's records: what the step model leaves out and the simulator adds.
+
+- gap: a worker's own time between two back-to-back steps (the earlier one left work: running or waiting
+  requests), next start - previous end. It sends the step's tokens and record, reads its messages, and
+  goes round its loop.
+- hop: a request's scheduled arrival to the start of its first step, for requests that found their worker
+  idle (no step running at the arrival, none started before its own): the harness's send, the router, the
+  socket, the worker's poll. TTFT counts it.
+- handoff: a finished prefill to the decode worker acting on it, for hand-overs that found the decode
+  worker idle: pull, prefill end -> transfer start (PrefillDone to the router, Pull to the decode worker);
+  push, the later of prefill end and transfer end -> admitted (PrefillDone, then Admit).
+
+Each figure is the median over its samples (None without any); the samples counted are reported beside.
+Steps and requests are a run's steps.jsonl and requests.jsonl lines (or the same fields from a cluster).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import defaultdict
+from typing import Optional
+
+MIN_SAMPLES = 3  # fewer than this: the figure is not estimated
+
+
+class _Timeline:
+    """One worker's steps in one (variant, rate, repeat): is it stepping at t, did a step start in [a, b)."""
+
+    def __init__(self, steps: list[dict]):
+        steps = sorted(steps, key=lambda s: s["start"])
+        self.starts = [s["start"] for s in steps]
+        self.ends = [s["end"] for s in steps]
+
+    def busy(self, t: float) -> bool:
+        i = bisect.bisect_right(self.starts, t) - 1
+        return i >= 0 and self.ends[i] > t
+
+    def started_between(self, a: float, b: float) -> bool:
+        return bisect.bisect_left(self.starts, b) > bisect.bisect_left(self.starts, a)
+
+
+def _key(r: dict, worker: Optional[str]) -> tuple:
+    return r.get("variant"), r.get("rate"), r.get("repeat", 0), worker
+
+
+def _median(xs: list[float]) -> Optional[float]:
+    return 1000.0 * statistics.median(xs) if len(xs) >= MIN_SAMPLES else None
+
+
+def gaps(steps: list[dict]) -> list[float]:
+    """Seconds between back-to-back steps of each worker (the earlier one left work behind)."""
+    by: dict[tuple, list[dict]] = defaultdict(list)
+    for s in steps:
+        by[_key(s, s.get("worker"))].append(s)
+    out = []
+    for ss in by.values():
+        ss.sort(key=lambda s: s["start"])
+        for a, b in zip(ss, ss[1:]):
+            if (a.get("running") or 0) + (a.get("waiting") or 0) > 0 and b["start"] >= a["end"]:
+                out.append(b["start"] - a["end"])
+    return out
+
+
+def host_times(steps: list[dict], requests: list[dict]) -> dict:
+    """{gap_ms, hop_ms, handoff_ms} (None where not estimated) and {gaps, hops, handoffs}: the samples."""
+    lines: dict[tuple, _Timeline] = {}
+    by: dict[tuple, list[dict]] = defaultdict(list)
+    for s in steps:
+        by[_key(s, s.get("worker"))].append(s)
+    lines = {k: _Timeline(v) for k, v in by.items()}
+    hops, handoffs = [], []
+    for r in requests:
+        ph = r.get("phases") or {}
+        if not r.get("ok") or "prefill_start" not in ph:
+            continue
+        pre = lines.get(_key(r, r.get("prefill_worker")))
+        arrival, first = r["arrival"], ph["prefill_start"]
+        if pre is not None and first >= arrival and not pre.busy(arrival) and not pre.started_between(arrival, first):
+            hops.append(first - arrival)
+        dec = lines.get(_key(r, r.get("decode_worker")))
+        if dec is None or r.get("decode_worker") == r.get("prefill_worker") or "prefill_end" not in ph:
+            continue
+        if "transfer_start" in ph and ph["transfer_start"] >= ph["prefill_end"]:  # pull: the transfer follows
+            a, b = ph["prefill_end"], ph["transfer_start"]
+        elif "admitted" in ph and "transfer_end" in ph:  # push: admitted once the KV has landed
+            a = max(ph["prefill_end"], ph["transfer_end"])
+            b = ph["admitted"]
+        else:
+            continue
+        if b >= a and not dec.busy(a) and not dec.started_between(a, b):
+            handoffs.append(b - a)
+    g = gaps(steps)
+    return {"gap_ms": _median(g), "hop_ms": _median(hops), "handoff_ms": _median(handoffs),
+            "samples": {"gaps": len(g), "hops": len(hops), "handoffs": len(handoffs)}}
+
+
+def host_raw(est: dict) -> dict:
+    """A profile's `host` block from an estimate: every figure it has (handoff, when not seen: the hop)."""
+    out = {k: est[k] for k in ("gap_ms", "hop_ms", "handoff_ms") if est.get(k) is not None}
+    if "handoff_ms" not in out and "hop_ms" in out:
+        out["handoff_ms"] = out["hop_ms"]
+    return out

@@ -1,0 +1,77 @@
+"""`pdlab profile`'s host-time probe: a real 1P1D pull deployment of the profiled model (pdlab.serve.Cluster:
+the router, worker processes, the shm hand-over) serves a few requests one at a time, and pdlab.timing.host
+reads its host time from the steps and phases it reports, as `pdlab profile --check` reads a run's.
+
+Requests one at a time find both workers idle, so their arrival and hand-over hops are clean samples, and
+each request's decode steps run back to back, so the gaps between them are too.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+REQUESTS = 8
+PROMPTS = (64, 256)  # prompt lengths drawn uniformly from this range
+OUTPUT = 16
+IDLE_S = 0.05  # between one request's end and the next one's submission: both workers idle again
+TIMEOUT_S = 120.0  # the whole probe, after the workers are up
+
+
+def _model_spec(model: str, dtype: str) -> Any:
+    from pdlab.engine.model import PRESETS
+    from pdlab.recipe.model import ModelSpec
+
+    return ModelSpec.from_raw({("preset" if model in PRESETS else "path"): model, "dtype": dtype}, "model")
+
+
+def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
+               say: Optional[Callable[[str], None]] = None) -> dict:
+    """Host time of the profiled model's workers on `cores` (prefill on the first, decode on the last; one
+    core: both on it), by pdlab.timing.host.host_times; plus `requests`, the requests served."""
+    from pdlab.engine.config import EngineConfig
+    from pdlab.engine.model import model_config
+    from pdlab.recipe.deployment import Deployment
+    from pdlab.serve.cluster import Cluster, RequestDone, StepEvent
+    from pdlab.timing.host import host_times
+
+    spec = _model_spec(model, dtype)
+    dep = Deployment.from_raw({"prefill": {"devices": [f"cpu:{cores[0]}"]},
+                               "decode": {"devices": [f"cpu:{cores[-1]}"]},
+                               "transport": "shm", "mode": "pull", "share_devices": len(set(cores)) < 2},
+                              "host probe")
+    rng = np.random.default_rng(seed)
+    steps: list[dict] = []
+    requests: list[dict] = []
+    tag = {"variant": "host", "rate": 0.0, "repeat": 0}
+    with Cluster(spec, EngineConfig(), dep, seed=seed) as cluster:
+        cluster.start()
+        if say:
+            say(f"host time: a 1P1D pull deployment on cpu:{cores[0]} and cpu:{cores[-1]}, {REQUESTS} requests "
+                "one at a time")
+        vocab = model_config(spec).vocab_size
+        deadline = time.monotonic() + TIMEOUT_S
+        for i in range(REQUESTS):
+            prompt = rng.integers(3, vocab, size=int(rng.integers(*PROMPTS))).tolist()
+            rid = f"h{i}"
+            arrival = time.monotonic()
+            cluster.submit(rid, prompt, {"max_tokens": OUTPUT, "ignore_eos": True})
+            done = None
+            while done is None:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the host-time probe did not finish within {TIMEOUT_S:.0f} s")
+                for e in cluster.poll(0.2):
+                    if isinstance(e, StepEvent):
+                        steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
+                    elif isinstance(e, RequestDone) and e.req_id == rid:
+                        done = e
+            if not done.ok:
+                raise RuntimeError(f"the host-time probe's request {rid} failed: {done.error}")
+            requests.append({**tag, "id": rid, "arrival": arrival, "ok": True, "phases": dict(done.phases),
+                             "prefill_worker": done.prefill_worker, "decode_worker": done.decode_worker})
+            for e in cluster.poll(IDLE_S):  # the last step records, then both workers idle
+                if isinstance(e, StepEvent):
+                    steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
+    return {**host_times(steps, requests), "requests": len(requests)}

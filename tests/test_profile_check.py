@@ -1,0 +1,274 @@
+"""A profile held against what workers do (issue 25): steps carry what they computed (fresh and resumed
+chunks), `pdlab profile --check` reads a run's steps per kind against a profile's prediction, host time is
+read from a run's records and added by the simulator, and a profile whose kernels or CPU are not the
+workers' says so. A real timed run ends with the check line."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import yaml
+
+from engine_helpers import prompts
+from pdlab.constants import PROFILE_CHECK_MAPE_PCT
+from pdlab.engine import Engine, EngineConfig, SamplingParams
+from pdlab.engine.model import load_stand_in
+from pdlab.engine.timed import StepCounts, count_step
+from pdlab.recipe import TimingProfile, load_profile, parse_recipe
+from pdlab.recipe.timing import HostTiming, StepTiming
+from pdlab.sim.simulator import Simulator
+from pdlab.timing.build import fit_warnings
+from pdlab.timing.check import CheckError, check_run, check_steps, lines, profile_for, samples
+from pdlab.timing.host import host_raw, host_times
+from pdlab.timing.provenance import differences, machine_warnings, worker_warning
+from pdlab.timing.write import profile_raw, write_profile
+from pdlab.workload import WorkloadRequest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP = StepTiming(fixed_ms=2, prefill_token_ms=0.5, decode_seq_ms=1, chunk_ms=3, fresh_pair_ms=0.05,
+                  resumed_pair_ms=0.1, resumed_context_ms=0.01)
+
+
+class Seq:
+    def __init__(self, computed):
+        self.num_computed = computed
+
+
+# ---- what a step computed ----
+
+def test_fresh_and_resumed_chunks_are_counted_apart():
+    # a fresh 30-token prompt, a 20-token chunk resuming a prompt after 100 tokens, two decodes
+    c = count_step([(Seq(0), 30, False), (Seq(100), 20, False), (Seq(11), 1, True), (Seq(21), 1, True)])
+    assert (c.prefill_tokens, c.decode_seqs, c.context_tokens, c.chunks) == (50, 2, 12 + 22, 2)
+    assert c.prefill_pairs == 30 * 31 // 2 + 20 * 100 + 20 * 21 // 2  # causal pairs of every chunk
+    assert c.fresh_pairs == 30 * 31 // 2  # the fresh chunk's causal pairs
+    assert (c.resumed_pairs, c.resumed_context) == (20 * 120, 120)  # the resumed chunk's masked rectangle
+    assert c.kind == "mixed" and count_step([(Seq(5), 1, True)]).kind == "decode"
+
+
+def test_step_records_carry_the_counts_and_the_timed_step_takes_the_model():
+    t = TimingProfile(step=STEP)
+    eng = Engine(load_stand_in("tiny-llama"), EngineConfig(block_size=16, kv_blocks=64, token_budget=64,
+                                                           chunked_prefill=True), step_timing=t)
+    eng.add("a", prompts([100], seed=1)[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    recs = [eng.step().record for _ in range(3)]
+    got = [StepCounts(**{k: getattr(r, k) for k in StepCounts.__dataclass_fields__}) for r in recs]
+    assert got == [StepCounts(64, 0, 0, 64 * 65 // 2, 1, 64 * 65 // 2, 0, 0),
+                   StepCounts(36, 0, 0, 36 * 64 + 36 * 37 // 2, 1, 0, 36 * 100, 100),
+                   StepCounts(0, 1, 101, 0, 0, 0, 0, 0)]
+    want = [2 + 32 + 3 + 0.05 * 2.08, 2 + 18 + 3 + 0.1 * 3.6 + 1.0, 2 + 1]
+    assert all(r.end - r.start >= w / 1000 - 1e-9 for r, w in zip(recs, want))
+
+
+def test_a_profile_with_the_new_terms_host_and_kernels_round_trips(tmp_path):
+    raw = profile_raw(name="p", source="measured", device="AMD EPYC (2 cores), 1 thread", date="2026-12-01",
+                      model="tiny-llama", step=STEP.to_raw(), kv_bytes_per_token=512, kv_memory_gb=1.0,
+                      transfer={"shm": {"gbps": 10.0}}, device_kind="cpu",
+                      host={"gap_ms": 0.5, "hop_ms": 1.25, "handoff_ms": 2.0},
+                      kernels={"rms_norm": {"use": False, "why": "slower here"}})
+    t = load_profile(write_profile(str(tmp_path / "p.yaml"), raw))
+    assert t.step == STEP and t.host == HostTiming(0.5, 1.25, 2.0) and t.device_kind == "cpu"
+    assert t.kernels == {"rms_norm": {"use": False, "why": "slower here"}}
+    assert TimingProfile.from_raw(t.to_raw(), "again") == t
+    old = load_profile("cpu-demo-2core")  # written before them: no host time, no kernels
+    assert old.host == HostTiming() and old.kernels is None and old.step.chunk_ms == 0
+
+
+# ---- the check ----
+
+def step_dict(c: StepCounts, ms: float, **tag) -> dict:
+    return {"variant": "v", "rate": 1.0, "repeat": 0, "worker": "unified0", "start": 10.0, "end": 10.0 + ms / 1000,
+            "preempted": 0, "running": 1, "waiting": 0, **c.to_dict(), **tag}
+
+
+def steps_of(scale: dict) -> list[dict]:
+    """Steps of each kind taking `scale[kind]` times STEP's prediction."""
+    t = TimingProfile(step=STEP)
+    counts = {"prefill": [StepCounts(100, 0, 0, 5050, 1, 5050),
+                          StepCounts(64, 0, 0, 64 * 200 + 2080, 1, 0, 64 * 264, 264)],
+              "decode": [StepCounts(0, 4, 400), StepCounts(0, 8, 1000)],
+              "mixed": [StepCounts(50, 3, 300, 1275, 1, 1275)]}
+    return [step_dict(c, scale[k] * 1000 * t.step_s(**c.to_dict())) for k, cs in counts.items() for c in cs]
+
+
+def test_check_reads_each_kind_of_step_against_the_prediction():
+    t = TimingProfile(name="box", step=STEP)
+    exact = check_steps(t, steps_of({"prefill": 1.0, "decode": 1.0, "mixed": 1.0}))
+    assert exact["steps"] == 5 and all(exact["kinds"][k]["mape_pct"] == pytest.approx(0, abs=1e-6)
+                                       for k in ("prefill", "decode", "mixed"))
+    slow = check_steps(t, steps_of({"prefill": 1.3, "decode": 1.0, "mixed": 0.9}))
+    # percentages of the measured time, as the profile's own held-out errors
+    assert slow["kinds"]["prefill"]["mape_pct"] == pytest.approx(100 * 0.3 / 1.3)
+    assert slow["kinds"]["prefill"]["ratio"] == pytest.approx(1.3)
+    assert slow["kinds"]["decode"]["ratio"] == pytest.approx(1)
+    assert slow["kinds"]["mixed"]["mape_pct"] == pytest.approx(100 * 0.1 / 0.9)
+    # steps that computed nothing, or preempted, are not steps of the model
+    assert len(samples(steps_of({"prefill": 1, "decode": 1, "mixed": 1}) + [
+        step_dict(StepCounts(), 1.0), step_dict(StepCounts(10, 0, 0, 55, 1), 5.0, preempted=1)])) == 5
+    old = step_dict(StepCounts(10, 0, 0, 55, 1), 5.0)
+    del old["context_tokens"]
+    with pytest.raises(CheckError, match="no step counts"):
+        samples([old])
+
+
+def recipe_variants(extra: dict) -> dict:
+    raw = {"model": {"preset": "tiny-llama"}, "rates": [1], "slo": {"ttft_ms": 1000, "itl_ms": 50},
+           "workload": {"requests": 2, "input_len": {"kind": "fixed", "value": 10},
+                        "output_len": {"kind": "fixed", "value": 2}},
+           "deployment": {"unified": {"devices": ["cpu:0"]}}, "variants": extra}
+    r = parse_recipe(raw)
+    return {n: r.resolved(n) for n in r.variant_names}
+
+
+def test_which_profile_checks_a_variant():
+    vs = recipe_variants({"real": {}, "timed": {"model": {"timing": "cpu-demo-2core"}},
+                          "inline": {"model": {"timing": {"fixed_ms": 1}}},
+                          "own": {"model": {"check_timing": "h200-0.6b-analytic"}}})
+    assert profile_for("timed", vs)[1] == "its model.timing"
+    assert profile_for("own", vs)[0].name == "h200-0.6b-analytic"
+    assert profile_for("real", vs) == (vs["timed"].model.timing, "variant timed's model.timing")  # its double's
+    assert profile_for("inline", vs) is None  # an inline model names no profile
+
+
+def test_check_run_lines_and_warnings_beyond_the_threshold():
+    vs = recipe_variants({"v": {"model": {"check_timing": "cpu-demo-2core"}}})
+    prof = vs["v"].model.check_timing
+    t = TimingProfile(name="box", step=STEP)
+    res = check_run(vs, steps_of({"prefill": 1.5, "decode": 1.0, "mixed": 1.0}), [], profile=t,
+                    kernels={"v": {"unified0": {"prefill_attention": {"use": True, "why": "faster here"}}}})
+    assert set(res) == {"v"} and res["v"]["by"] == "given" and not res["v"]["modelled"]
+    out, warn = lines(res)
+    assert len(out) == 1 and out[0].startswith("v: steps against profile box (given): MAPE prefill 33% (x1.50, 2)")
+    assert len(warn) == 1 and f"beyond {PROFILE_CHECK_MAPE_PCT:.0f}%" in warn[0] and "prefill steps" in warn[0]
+    assert check_run(vs, steps_of({"prefill": 1, "decode": 1, "mixed": 1}), [])["v"]["profile"] == prof.name
+
+
+def test_a_run_whose_workers_ran_other_kernels_than_the_profile_says_so():
+    prof = TimingProfile(name="box", step=STEP, kernels={"prefill_attention": {"use": False, "why": "slower here"},
+                                                         "rotary": {"use": True, "why": "faster here"}})
+    ran = {"unified0": {"prefill_attention": {"use": True, "why": "faster here"}, "rotary": {"use": True}}}
+    assert differences(prof.kernels, ran["unified0"]) == ["prefill_attention: kernel here, torch in the profile"]
+    w = worker_warning("u", prof, ran)
+    assert w.startswith("u: its workers ran other CPU kernels than profile box") and "prefill_attention" in w
+    assert worker_warning("u", prof, {"unified0": {"rotary": {"use": True}}}) is None
+    assert worker_warning("u", TimingProfile(name="old", step=STEP), ran) is None  # a profile without kernels
+
+
+def test_a_simulation_from_a_profile_measured_on_another_cpu_says_so():
+    from pdlab.measure.records import cpu_model
+
+    vs = recipe_variants({"v": {}})
+    other = TimingProfile(name="far", source="measured", device="Some Other CPU (2 cores), 1 thread",
+                          device_kind="cpu", step=STEP)
+    warns = machine_warnings("v", other, vs["v"].model)
+    assert cpu_model() is None or (len(warns) == 1 and "was measured on Some Other CPU" in warns[0])
+    analytic = TimingProfile(name="gpu", source="analytic", device="H200", step=STEP)
+    assert machine_warnings("v", analytic, vs["v"].model) == []
+
+
+def test_fit_warnings_say_what_to_do():
+    good = {"steps": 30, "r2": 0.97, "p90_pct": 12.0}
+    assert fit_warnings(good, {"prefill": good, "decode": good, "mixed": good}, 400) == []
+    w = fit_warnings(good, {"prefill": good, "decode": {"steps": 9, "r2": 0.5, "p90_pct": 30.0}, "mixed": good},
+                     400)
+    assert len(w) == 1 and "decode steps: R^2 0.50 < 0.9, p90 error 30% > 25%" in w[0] and "--steps 800" in w[0]
+
+
+# ---- host time ----
+
+def test_host_time_from_records():
+    def step(worker, start, end, running=1, **kw):
+        return {"variant": "v", "rate": 1.0, "repeat": 0, "worker": worker, "start": start, "end": end,
+                "running": running, "waiting": 0, **kw}
+
+    # decode0 steps back to back 1 ms apart (its last step leaves nothing: no gap after it); prefill0 idle
+    steps = [step("decode0", 1.000 + 0.011 * i, 1.010 + 0.011 * i, running=int(i < 5)) for i in range(7)]
+    steps += [step("prefill0", a, b, running=0) for a, b in ((2.002, 2.1), (3.003, 3.1), (4.0035, 4.1), (4.105, 4.2))]
+    steps += [step("decode0", 2.110 + k, 2.120 + k, running=0) for k in (0, 1, 2)]
+    steps.append(step("decode0", 4.15, 4.25, running=0))  # stepping when the last prefill ends
+    req = lambda a, first, end, xs: {"variant": "v", "rate": 1.0, "repeat": 0, "ok": True, "arrival": a,  # noqa
+                                     "prefill_worker": "prefill0", "decode_worker": "decode0",
+                                     "phases": {"prefill_start": first, "prefill_end": end, "transfer_start": xs}}
+    reqs = [req(2.0, 2.002, 2.1, 2.104), req(3.0, 3.003, 3.1, 3.106), req(4.0, 4.0035, 4.1, 4.105),
+            req(4.05, 4.105, 4.2, 4.3)]  # the last arrived while prefill0 was stepping: not a clean hop
+    h = host_times(steps, reqs)
+    assert h["samples"] == {"gaps": 5, "hops": 3, "handoffs": 3}
+    assert h["gap_ms"] == pytest.approx(1.0) and h["hop_ms"] == pytest.approx(3.0)
+    assert h["handoff_ms"] == pytest.approx(5.0)
+    assert host_raw({"gap_ms": 1.0, "hop_ms": 3.0, "handoff_ms": None}) == {"gap_ms": 1.0, "hop_ms": 3.0,
+                                                                              "handoff_ms": 3.0}
+    assert host_times(steps[:2], [])["hop_ms"] is None  # too few samples to say
+
+
+def sim_variant(deployment: dict, host: dict):
+    raw = {"model": {"preset": "tiny-llama", "timing": {"step": {"fixed_ms": 2, "prefill_token_ms": 1,
+                                                                 "decode_seq_ms": 3},
+                                                        "transfer": {"shm": {"gbps": 1.0}}, "host": host}},
+           "engine": {"block_size": 8, "kv_blocks": 64}, "rates": [1], "slo": {"ttft_ms": 1000, "itl_ms": 50},
+           "workload": {"requests": 1, "input_len": {"kind": "fixed", "value": 20},
+                        "output_len": {"kind": "fixed", "value": 4}},
+           "deployment": deployment}
+    r = parse_recipe(raw)
+    return r.resolved("default"), r.slo
+
+
+@pytest.mark.parametrize("mode", ["unified", "pull", "push"])
+def test_the_simulator_adds_host_time_and_keeps_its_tokens(mode):
+    dep = {"unified": {"devices": ["cpu:0"]}} if mode == "unified" else {
+        "prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "transport": "shm", "mode": mode}
+    host = {"gap_ms": 1.5, "hop_ms": 4.0, "handoff_ms": 6.0}
+    req = WorkloadRequest("r0", prompts([20], seed=3)[0], 4, 0.0)
+    (with_host,), steps, transfers = Simulator(*sim_variant(dep, host)).run([req], 1.0)
+    (bare,), _, _ = Simulator(*sim_variant(dep, {})).run([req], 1.0)
+    assert with_host["output_ids"] == bare["output_ids"]  # host time moves tokens in time, never changes them
+    prefill_s = (2 + 20) / 1000
+    # the hop, and disaggregated the hand-over's too (the first token comes from the decode side by default)
+    assert with_host["ttft"] == pytest.approx(bare["ttft"] + 0.004 + (0.006 if mode != "unified" else 0))
+    assert bare["ttft"] >= prefill_s - 1e-9 and (mode != "unified" or bare["ttft"] == pytest.approx(prefill_s))
+    if mode != "unified":
+        assert with_host["phases"]["prefill_start"] - with_host["arrival"] == pytest.approx(0.004)  # the hop
+    work = [s for s in steps if s["decode_seqs"]]
+    assert all(b["start"] - a["end"] == pytest.approx(0.0015) for a, b in zip(work, work[1:]))  # the gap
+    assert all(s["end"] - s["start"] == pytest.approx((2 + 3 * s["decode_seqs"] + s["prefill_tokens"]) / 1000)
+               for s in steps)  # a step still lasts its model
+    if mode == "pull":
+        assert transfers[0]["start"] - with_host["phases"]["prefill_end"] == pytest.approx(0.006)  # the hand-over
+    if mode == "push":
+        assert with_host["phases"]["admitted"] - transfers[0]["end"] == pytest.approx(0.006)
+
+
+# ---- a real run ends with the check ----
+
+@pytest.mark.slow
+def test_a_timed_run_ends_with_the_profile_check_and_pdlab_profile_checks_it(tmp_path):
+    prof = profile_raw(name="box", source="measured", device="a box", date="2026-12-01", model="tiny-llama",
+                       step={"fixed_ms": 3.0, "prefill_token_ms": 0.2, "decode_seq_ms": 0.5}, kv_bytes_per_token=512,
+                       kv_memory_gb=0.01, transfer={"shm": {"gbps": 5.0}})
+    write_profile(str(tmp_path / "box.yaml"), prof)
+    recipe = {"name": "checked", "model": {"preset": "tiny-llama", "timing": str(tmp_path / "box.yaml")},
+              "engine": {"block_size": 8, "kv_blocks": 128}, "rates": [4], "warmup": 0,
+              "workload": {"requests": 6, "input_len": {"kind": "fixed", "value": 40},
+                           "output_len": {"kind": "fixed", "value": 6}},
+              "slo": {"ttft_ms": 2000, "itl_ms": 200}, "deployment": {"unified": {"devices": ["cpu:0"]}}}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
+    out = str(tmp_path / "run")
+    r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(tmp_path / "r.yaml"), "--out", out],
+                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+    last = [ln for ln in r.stdout.splitlines() if ln.startswith("profile check: ")]
+    assert len(last) == 1 and last[0].startswith("profile check: default: timed steps against profile box")
+    s = json.load(open(os.path.join(out, "summary.json")))
+    c = s["profile_check"]["variants"]["default"]
+    assert c["steps"] > 0 and {k for k, e in c["kinds"].items() if e["steps"]} == {"prefill", "decode"}
+    assert all(e["ratio"] >= 1.0 - 1e-6 for e in c["kinds"].values() if e["steps"])  # never shorter than the model
+    assert c["host"]["samples"]["gaps"] > 0
+    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "profile", "--check", out], capture_output=True,
+                       text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 0 and "default: timed steps against profile box (its model.timing): MAPE" in p.stdout
+    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "profile", "--check", str(tmp_path / "nowhere")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert p.returncode == 2 and p.stderr.count("\n") == 1 and "nowhere" in p.stderr
+    np.testing.assert_equal(len(s["profile_check"]["lines"]), 1)

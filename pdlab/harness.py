@@ -94,7 +94,7 @@ def calibration_deployment(v: Variant) -> tuple[Deployment, str]:
     first = v.deployment.workers[0]
     raw = v.deployment.to_raw()
     dep = Deployment.from_raw({"unified": {"devices": list(first.where), "tp": first.tp},
-                               "control": raw["control"], "nodes": raw["nodes"]}, "calibration")
+                               "control": raw.get("control"), "nodes": raw.get("nodes")}, "calibration")
     return dep, ",".join(first.where)
 
 

@@ -22,7 +22,10 @@ Target: pdlab's client and each external client within 10% on TTFT p50 and ITL p
 - ITL: every client has one gap per streamed chunk (tok/chunk says how many tokens a chunk carried; pdlab
   serve sends what the engine produced since its last send), the server one per token.
 - TPOT: (E2EL - TTFT) / (tokens - 1) per request everywhere (AIPerf calls it inter_token_latency).
-- Each client draws its own prompts and arrival times: p99s over ~100 requests move between runs.
+- Each client draws its own prompts and arrival times, and runs at another time: p99s over ~100 requests
+  move between runs, and so does everything when something else uses the machine. The server rows show
+  how much of a difference between clients was the server's own (the same in its stamps), and each
+  client's p50 minus its server's p50 is that client's own overhead.
 
     python benchmarks/cross_check.py [--rate 0.5] [--requests 100] [--input-len 512] [--output-len 128]
         [--clients pdlab,vllm,aiperf] [--recipe R --variant V] [--out DIR]
@@ -90,7 +93,7 @@ def agreement(rows: dict) -> dict:
 
 def table(rows: dict, load: Load, served: str, versions: dict, skipped: dict) -> str:
     def num(v: Optional[float], fmt: str = "9.2f") -> str:
-        return f"{v:{fmt}}" if v is not None else f"{'-':>{int(fmt.split('.')[0])}}"
+        return f"{v:{fmt}}" if v is not None else f"{'-':>{int(fmt.split('.')[0].lstrip('+') or 1)}}"
 
     lines = [f"cross-check: pdlab serve {served}, {load.requests} requests per client at {load.rate:g} req/s "
              f"(Poisson), {load.input_len} -> {load.output_len} tokens, greedy, EOS ignored, clients on "
@@ -102,12 +105,21 @@ def table(rows: dict, load: Load, served: str, versions: dict, skipped: dict) ->
             lines.append(f"{CLIENTS[name].label if side == 'client' else '':18}{side:8}"
                          f"{s['ok']:>4}/{s['sent']:<4}{num(s['tok_per_chunk'], '10.2f')}"
                          + "".join(num(s[c], "10.2f") for c in COLUMNS))
+    for name, r in rows.items():
+        c, s = r["client"], r["server"]
+        lines.append(f"{CLIENTS[name].label} p50 - the server's p50 for its requests: TTFT "
+                     f"{num(minus(c['ttft_p50'], s['ttft_p50']), '+.2f')} ms, ITL "
+                     f"{num(minus(c['itl_p50'], s['itl_p50']), '+.2f')} ms")
     for name, a in agreement(rows).items():
         lines.append(f"{CLIENTS[name].label} vs pdlab's client: TTFT p50 {fmt_pct(a['ttft_p50'])}, ITL p50 "
                      f"{fmt_pct(a['itl_p50'])}: {'within' if a['within'] else 'NOT within'} {TARGET:.0%}")
     lines.append("versions: " + "; ".join(f"{CLIENTS[n].label}: {v}" for n, v in versions.items()))
     lines += [f"skipped {CLIENTS[n].label}: {why}" for n, why in skipped.items()]
     return "\n".join(lines)
+
+
+def minus(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a - b if a is not None and b is not None else None
 
 
 def fmt_pct(v: Optional[float]) -> str:

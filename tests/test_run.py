@@ -19,10 +19,20 @@ def pdlab(*args, timeout=900):  # a deadline against a hang, not a speed bound (
                           timeout=timeout, cwd=ROOT)
 
 
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
+    """The tiny recipe, its disaggregated variant's control plane over loopback TCP (the default, a private
+    ipc:// socket, is what every Cluster test uses)."""
     out = str(tmp_path_factory.mktemp("runs") / "tiny")
-    r = pdlab("run", TINY, "--out", out)
+    r = pdlab("run", TINY, "--out", out, "--set", f"variants.disagg.deployment.control=tcp://127.0.0.1:{free_port()}")
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip().splitlines()[-1] == out
     return out
@@ -174,20 +184,16 @@ def test_out_that_is_a_file(tmp_path):
 
 
 @pytest.mark.slow
-def test_control_plane_over_loopback_tcp(tmp_path):
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = str(tmp_path / "tcp")
-    r = pdlab("run", TINY, "--out", out, "--variants", "disagg", "--set", "rates=[20]",
-              "--set", f"variants.disagg.deployment.control=tcp://127.0.0.1:{port}")
-    assert r.returncode == 0, r.stderr[-2000:]
-    reqs = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl")) if '"warmup"' not in x]
-    assert len(reqs) == 6 and all(q["ok"] for q in reqs)
+def test_control_plane_over_loopback_tcp(tiny_run):
+    """The disaggregated variant of the tiny run talked to its workers over tcp://127.0.0.1 and served
+    everything (test_every_request_served_and_disaggregated_equals_unified: the same tokens as unified)."""
+    run = load_run(tiny_run)
+    assert run.recipe["variants"]["disagg"]["deployment"]["control"].startswith("tcp://127.0.0.1:")
+    reqs = [q for q in run.requests if q["variant"] == "disagg" and not q.get("warmup")]
+    assert len(reqs) == 12 and all(q["ok"] for q in reqs)
 
 
+@pytest.mark.slow  # the doctor's probes and a model load
 def test_doctor_and_generate_commands():
     r = pdlab("doctor", "--probe-mb", "1", timeout=120)
     assert r.returncode == 0 and "shm" in r.stdout and "Traceback" not in r.stderr, r.stderr

@@ -11,7 +11,8 @@ import time
 import pytest
 
 import engine_helpers as eh
-from pdlab.engine.tensor_parallel import describe_step, read_step, shard_heads, tp_error
+from pdlab.engine.tensor_parallel import describe_step, read_step
+from pdlab.engine.tp_plan import shard_heads, tp_error
 from pdlab.recipe import RecipeError, parse_recipe
 from pdlab.recipe.nixl import nixl_module
 from pdlab.serve.cluster import RequestDone, TokenEvent, WorkerFailed

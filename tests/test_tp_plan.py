@@ -13,7 +13,7 @@ import torch
 import yaml
 
 import engine_helpers as eh
-from pdlab.engine.tensor_parallel import Piece, TpPlanError, check_plan, layer_plan
+from pdlab.engine.tp_plan import Piece, TpPlanError, check_plan, layer_plan
 from test_cluster import Cluster, _drain, _no_leftovers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from pdlab.engine.tensor_parallel import shard_heads
+from pdlab.engine.tp_plan import shard_heads
 from pdlab.kv.copy import block_runs
 
 

@@ -77,7 +77,7 @@ def check_model(v: Variant) -> None:
     tp = max((w.tp for w in v.deployment.workers), default=1) if v.deployment.endpoint is None else 1
     if tp == 1 or v.backend.external or v.model.modelled:
         return
-    from pdlab.engine.tensor_parallel import TpPlanError, check_spec
+    from pdlab.engine.tp_plan import TpPlanError, check_spec
     from pdlab.fields import RecipeError
 
     try:

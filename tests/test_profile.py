@@ -21,13 +21,13 @@ from pdlab.recipe import RecipeError, StepTiming, TimingProfile, load_profile
 from pdlab.recipe.timing import shipped_profiles
 from pdlab.timing.fit import (KINDS, TERMS, StepSample, by_kind, errors, fit_steps, fit_transfer, nnls,
                               split_by_case)
-from pdlab.timing.measure import Case, Limits, PoolSlices, Primer, design, run_case
+from pdlab.timing.measure import PRIMER_BLOCKS, Case, Limits, PoolSlices, Primer, design, run_case
 from pdlab.timing.process import MeasureError, job_for, measure
 from pdlab.timing.write import profile_raw, write_profile
 
 TRUE = {"fixed_ms": 2.0, "prefill_token_ms": 0.05, "prefill_attention_ms": 0.03, "decode_seq_ms": 0.15,
         "context_token_ms": 0.0004, "chunk_ms": 0.4, "fresh_pair_ms": 0.05, "resumed_pair_ms": 0.02,
-        "resumed_context_ms": 0.002}
+        "resumed_context_ms": 0.002, "knee_token_ms": 0.3, "knee_tokens": 32}
 
 
 def synthetic(n: int = 300, seed: int = 0, noise: float = 0.0, coef: dict = TRUE) -> list[StepSample]:
@@ -87,8 +87,11 @@ def test_nnls_clips_where_least_squares_goes_negative():
 
 def test_fit_recovers_exact_coefficients():
     coef = fit_steps(synthetic())
+    assert coef["knee_tokens"] == 32  # of the candidate knees, the one the steps were timed with
     for k in TERMS:
         assert coef[k] == pytest.approx(TRUE[k], rel=1e-6), k
+    flat = fit_steps(synthetic(coef=dict(TRUE, knee_token_ms=0.0)))
+    assert flat["knee_tokens"] == 0 and flat["knee_token_ms"] == 0  # no knee in the steps: none in the fit
     e = errors(coef, synthetic(seed=5))
     assert e["mape_pct"] < 1e-4 and e["max_pct"] < 1e-4 and e["r2"] == pytest.approx(1.0)
 
@@ -179,8 +182,10 @@ def test_case_pools_are_slices_of_one_worker_sized_pool(tiny):
     steps = run_case(tiny, Case("prefill", 64, True, (150,), (), 16), np.random.default_rng(1), primer=primer,
                      pool=slices)
     assert len(steps) == 3 and pool[:, :, :10].abs().sum() > 0  # the case wrote its KV into the pool's head
-    with pytest.raises(ValueError, match="at most half"):
-        slices.head((2, 2, 201, 16, 2, 16), pool.dtype)
+    assert primer.eng.blocks.num_blocks == PRIMER_BLOCKS  # its reserve, which cases never reach
+    slices.head((2, 2, 400 - PRIMER_BLOCKS, 16, 2, 16), pool.dtype)
+    with pytest.raises(ValueError, match=f"at most {400 - PRIMER_BLOCKS} are this side's"):
+        slices.head((2, 2, 401 - PRIMER_BLOCKS, 16, 2, 16), pool.dtype)
     with pytest.raises(ValueError, match="not a slice"):
         slices.head((2, 2, 10, 8, 2, 16), pool.dtype)
 
@@ -189,7 +194,8 @@ def test_case_pools_are_slices_of_one_worker_sized_pool(tiny):
 
 def raw_profile(**over) -> dict:
     raw = profile_raw(name="t", source="measured", device="a CPU, 1 thread", date="2026-11-30", model="tiny-llama",
-                      step={k: v * 1.0000123 for k, v in TRUE.items()}, kv_bytes_per_token=512, kv_memory_gb=2.147,
+                      step={k: v if k == "knee_tokens" else v * 1.0000123 for k, v in TRUE.items()},
+                      kv_bytes_per_token=512, kv_memory_gb=2.147,
                       transfer={"shm": {"gbps": 12.345678, "latency_ms": 0.0123456}},
                       fit={"train_steps": 10, "test_steps": 5, "held_out": {"mape_pct": 4.56789, "r2": None}})
     raw.update(over)
@@ -247,7 +253,7 @@ def test_steps_are_measured_in_a_process_set_up_as_a_worker(tiny):
     assert res["kernels"] == {k: c.to_dict() for k, c in here.items()} and set(res["kernels"]) == set(CPU_KERNELS)
     assert res["malloc_tuned"] == tune_malloc()
     assert len(res["steps"]) >= 20 and {k for k in res["case_kinds"]} == set(KINDS)
-    with pytest.raises(MeasureError, match="unknown model preset"):
+    with pytest.raises(MeasureError, match="no-such-model"):  # the loader's one line, from the child
         measure(job_for("no-such-model", "float32", "cpu", [core], 20, 0))
 
 

@@ -272,3 +272,19 @@ def test_a_timed_run_ends_with_the_profile_check_and_pdlab_profile_checks_it(tmp
                        capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "nowhere" in p.stderr
     np.testing.assert_equal(len(s["profile_check"]["lines"]), 1)
+
+
+def test_write_host_puts_a_runs_host_time_into_the_profile(tmp_path, capsys):
+    from pdlab.commands.profile import _write_host
+
+    path = write_profile(str(tmp_path / "box.yaml"), profile_raw(
+        name="box", source="measured", device="a box", date="2026-12-01", model="tiny-llama", step=STEP.to_raw(),
+        kv_bytes_per_token=512, kv_memory_gb=1.0, transfer={}), header="measured by hand")
+    checks = {"timed": {"modelled": True, "host": {"gap_ms": 9.0, "hop_ms": 9.0}},
+              "real": {"modelled": False, "host": {"gap_ms": 1.5, "hop_ms": 2.5, "handoff_ms": None}}}
+    assert _write_host(checks, load_profile(path), path) == 0
+    t = load_profile(path)
+    assert t.host == HostTiming(gap_ms=1.5, hop_ms=2.5, handoff_ms=2.5)  # the real variant's; no hand-over: the hop
+    assert open(path).read().startswith("# measured by hand\n") and t.step == STEP
+    assert _write_host({"timed": checks["timed"]}, load_profile(path), path) == 2  # timed steps are the model's
+    assert "no variant of this run ran its model" in capsys.readouterr().err

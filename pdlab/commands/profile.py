@@ -83,6 +83,9 @@ def main(model: str = "cpu-demo", device: str = "cpu", dtype: Optional[str] = No
     except MeasureError as e:
         return _err(str(e))
     host_est = None
+    if host and cuda:
+        say("host time: not probed on cuda (a GPU deployment per profile is costly); take it from a run with "
+            "pdlab profile --check RUN_DIR --profile FILE --write-host")
     if host and not cuda:
         from pdlab.timing.host_probe import probe_host
 
@@ -122,7 +125,8 @@ def _header(model: str, device: str, dtype: str, steps: int, seed: int, res: dic
             "      + chunk_ms x prefill chunks + fresh_pair_ms x (fresh chunk tokens x (tokens + 1) / 2) / 1000\n"
             "      + resumed_pair_ms x (resumed chunk tokens x (start + tokens)) / 1000\n"
             "      + resumed_context_ms x context tokens of resumed chunks (fresh: a prompt's first chunk;\n"
-            "      resumed: a later one, or one after a prefix-cache hit).\n"
+            "      resumed: a later one, or one after a prefix-cache hit)\n"
+            "      + knee_token_ms x min(prefill tokens + decode sequences, knee_tokens) (small batches).\n"
             "host: a worker's own time between steps, a request's hop to its worker, a hand-over's hop: the\n"
             "simulator adds them. kernels: the CPU kernels the measured steps ran (pdlab.engine.kernel_check).\n"
             "fit: percentage errors of the step model on held-out steps (mape = mean absolute percentage error).\n"

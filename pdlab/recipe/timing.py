@@ -14,9 +14,11 @@ times are the profile's, not the hardware's, and every output says so.
                 + fresh_pair_ms * (fresh chunk tokens x (tokens + 1) / 2) / 1000
                 + resumed_pair_ms * (resumed chunk tokens x (start + tokens)) / 1000
                 + resumed_context_ms * context tokens of resumed chunks
+                + knee_token_ms * min(prefill tokens + decode sequences, knee_tokens)
 
 A *fresh* chunk starts a prompt, a *resumed* one continues it (start > 0: chunked prefill, a prefix-cache
 hit); on a CPU the two take different code paths (pdlab.engine.timed.StepCounts), hence their own terms.
+The knee prices a step's first tokens apart: small batches use the weights less well than large ones.
 
     model: {preset: tiny-llama, timing: {fixed_ms: 5, prefill_token_ms: 0.5, decode_seq_ms: 1}}   # inline
     model: {preset: gpu-0.6b, timing: h200-0.6b-analytic}        # a profile shipped in pdlab/profiles/
@@ -67,9 +69,12 @@ class StepTiming(Section):
     fresh_pair_ms: float = spec(0.0, f"{MS} (per 1000 causal token pairs of chunks that start a prompt)", _ms)
     resumed_pair_ms: float = spec(0.0, f"{MS} (per 1000 token x context pairs of chunks that resume a prompt)", _ms)
     resumed_context_ms: float = spec(0.0, f"{MS} (per context token of chunks that resume a prompt)", _ms)
+    knee_token_ms: float = spec(0.0, f"{MS} (per token of the step's first knee_tokens: prefill tokens and decode "
+                                     "sequences)", _ms)
+    knee_tokens: int = spec(0, "an integer >= 0 (tokens a step's knee_token_ms applies to)", to_int(0))
 
     def check(self, where: str) -> None:
-        if not any(getattr(self, k) > 0 for k in self.keys()):
+        if not any(getattr(self, k) > 0 for k in self.keys() if k != "knee_tokens"):
             raise RecipeError(f"{where}: every term is 0; expected at least one of {', '.join(self.keys())} > 0 "
                               "(or timing: null for the real step time)")
 
@@ -81,8 +86,8 @@ class StepTiming(Section):
         return (self.fixed_ms + self.prefill_token_ms * prefill_tokens + self.prefill_attention_ms * prefill_pairs
                 / 1000.0 + self.decode_seq_ms * decode_seqs + self.context_token_ms * context_tokens
                 + self.chunk_ms * chunks + self.fresh_pair_ms * fresh_pairs / 1000.0
-                + self.resumed_pair_ms * resumed_pairs / 1000.0
-                + self.resumed_context_ms * resumed_context) / 1000.0
+                + self.resumed_pair_ms * resumed_pairs / 1000.0 + self.resumed_context_ms * resumed_context
+                + self.knee_token_ms * min(prefill_tokens + decode_seqs, self.knee_tokens)) / 1000.0
 
 
 @dataclass(frozen=True)

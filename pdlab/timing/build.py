@@ -124,7 +124,8 @@ def format_step(c: dict) -> str:
             f"{c['prefill_attention_ms']:.4g} x pairs/1000 + {c['decode_seq_ms']:.4g} x decode seqs + "
             f"{c['context_token_ms']:.4g} x context tokens + {c['chunk_ms']:.4g} x chunks + "
             f"{c['fresh_pair_ms']:.4g} x fresh pairs/1000 + {c['resumed_pair_ms']:.4g} x resumed pairs/1000 + "
-            f"{c['resumed_context_ms']:.4g} x resumed context")
+            f"{c['resumed_context_ms']:.4g} x resumed context + {c['knee_token_ms']:.4g} x min(tokens, "
+            f"{c['knee_tokens']})")
 
 
 def format_errors(label: str, e: dict) -> str:

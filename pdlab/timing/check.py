@@ -122,13 +122,13 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         for k, e in c["kinds"].items():
             if not e.get("steps") or e["mape_pct"] <= PROFILE_CHECK_MAPE_PCT:
                 continue
-            off = (f"{e['mape_pct']:.0f}% (MAPE; measured/modelled x{e['ratio']:.2f}), beyond "
-                   f"{PROFILE_CHECK_MAPE_PCT:.0f}%")
+            off = (f"MAPE {e['mape_pct']:.0f}%, beyond {PROFILE_CHECK_MAPE_PCT:.0f}% (measured/predicted "
+                   f"x{e['ratio']:.2f})")
             if c["modelled"]:  # timed workers wait the model out: only a late wake-up makes them longer
-                warn.append(f"{name}: its timed workers' {k} steps ran {off} off profile {c['profile']}: the box "
-                            "wakes them late (too loaded for the model's pace); its times are not the model's")
+                warn.append(f"{name}: its timed workers' {k} steps missed profile {c['profile']}'s times, {off}: the "
+                            "box wakes them late (too loaded for the model's pace); its times are not the model's")
             else:
-                warn.append(f"{name}: profile {c['profile']} predicts its {k} steps {off} off: it does not "
+                warn.append(f"{name}: profile {c['profile']} predicts its {k} steps with {off}: it does not "
                             "describe these workers; measure one here with pdlab profile")
     return out, warn
 

@@ -7,8 +7,13 @@ The step model (pdlab.recipe.StepTiming) is linear with non-negative terms in wh
          + decode_seq_ms * decode sequences + context_token_ms * context tokens
          + chunk_ms * prefill chunks + fresh_pair_ms * fresh pairs / 1000
          + resumed_pair_ms * resumed pairs / 1000 + resumed_context_ms * resumed context
+         + knee_token_ms * min(tokens, knee_tokens)
 
-The last four are kernel regimes and chunk boundaries the first five cannot tell apart (issue 25): a chunk
+The last five are kernel regimes and chunk boundaries the first five cannot tell apart (issue 25). A step's
+first `knee_tokens` tokens (prefill tokens and decode sequences: the rows of its matrix products) cost
+`knee_token_ms` more each: small batches use the weights less well than large ones (on an AVX2 EPYC a
+decode step's cost per sequence halved from 1 to 64 sequences); the knee is chosen from a few candidates by
+the training fit. A chunk
 that starts a prompt runs causal attention over itself (pdlab's prefill kernel or SDPA: fresh pairs), one
 that resumes a prompt gathers its context from the pool and runs masked SDPA over the whole rectangle
 (tokens x context: resumed pairs, resumed context), and each chunk has a cost of its own (its segment, its
@@ -32,7 +37,8 @@ import numpy as np
 from pdlab.engine.timed import StepCounts
 
 TERMS = ("fixed_ms", "prefill_token_ms", "prefill_attention_ms", "decode_seq_ms", "context_token_ms", "chunk_ms",
-         "fresh_pair_ms", "resumed_pair_ms", "resumed_context_ms")
+         "fresh_pair_ms", "resumed_pair_ms", "resumed_context_ms", "knee_token_ms")
+KNEES = (8, 16, 32, 64, 128, 256, 512, 1024)  # candidate knee_tokens (0, no knee, is tried too)
 KINDS = ("prefill", "decode", "mixed")
 
 
@@ -92,28 +98,40 @@ class StepSample:
         return self.counts.kind
 
 
-def features(samples: Iterable[StepSample]) -> np.ndarray:
-    """One row per step, one column per StepTiming term (TERMS), in the term's unit."""
+def features(samples: Iterable[StepSample], knee: int = 0) -> np.ndarray:
+    """One row per step, one column per StepTiming term (TERMS), in the term's unit; `knee`: knee_tokens."""
     return np.array([[1.0, c.prefill_tokens, c.prefill_pairs / 1000.0, c.decode_seqs, c.context_tokens, c.chunks,
-                      c.fresh_pairs / 1000.0, c.resumed_pairs / 1000.0, c.resumed_context]
+                      c.fresh_pairs / 1000.0, c.resumed_pairs / 1000.0, c.resumed_context,
+                      min(c.prefill_tokens + c.decode_seqs, knee)]
                      for c in (s.counts for s in samples)],
                     dtype=float).reshape(-1, len(TERMS))
 
 
-def fit_steps(samples: Sequence[StepSample]) -> dict[str, float]:
-    """The StepTiming terms (ms) fitted to `samples` by NNLS on relative residuals."""
+def fit_steps(samples: Sequence[StepSample], knees: Sequence[int] = KNEES) -> dict[str, float]:
+    """The StepTiming terms (ms) fitted to `samples` by NNLS on relative residuals, and `knee_tokens`: of no
+    knee and each of `knees` below the largest step, the one whose fit leaves the least residual."""
     if not samples:
         raise ValueError("no steps to fit")
-    x = features(samples)
     y = np.array([s.ms for s in samples], dtype=float)
     w = 1.0 / np.maximum(y, 1e-6)
-    coef = nnls(x * w[:, None], np.ones_like(y))  # (x c - y) / y = x/y c - 1
-    return {k: float(v) for k, v in zip(TERMS, coef)}
+    most = max(s.counts.prefill_tokens + s.counts.decode_seqs for s in samples)
+    best: Optional[tuple[float, int, np.ndarray]] = None
+    for knee in [0] + [k for k in knees if k < most]:
+        x = features(samples, knee) * w[:, None]
+        coef = nnls(x, np.ones_like(y))  # (x c - y) / y = x/y c - 1
+        rss = float(((x @ coef - 1.0) ** 2).sum())
+        if best is None or rss < best[0] * (1 - 1e-9):
+            best = (rss, knee, coef)
+    assert best is not None
+    _, knee, coef = best
+    out: dict = {k: float(v) for k, v in zip(TERMS, coef)}
+    out["knee_tokens"] = knee if out["knee_token_ms"] > 0 else 0
+    return out
 
 
 def predict(coef: dict[str, float], samples: Sequence[StepSample]) -> np.ndarray:
     """Predicted ms of each step; a term `coef` lacks counts as 0 (a profile written before it existed)."""
-    return features(samples) @ np.array([coef.get(k, 0.0) for k in TERMS])
+    return features(samples, int(coef.get("knee_tokens", 0))) @ np.array([coef.get(k, 0.0) for k in TERMS])
 
 
 def errors(coef: dict[str, float], samples: Sequence[StepSample]) -> dict:

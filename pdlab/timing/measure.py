@@ -148,24 +148,28 @@ class PoolSlices:
     """Case engines' pools as slices of one pool of a worker's size, allocated once the way a worker allocates
     its own (pdlab.timing.process): steps read and write KV where a serving worker's would, in the same kind
     of memory, without allocating and zeroing a worker-sized pool per case. Cases take the first blocks, the
-    primer the last."""
+    primer the last `reserve` (PRIMER_BLOCKS)."""
 
-    def __init__(self, pool: Any):
-        self.pool = pool
+    def __init__(self, pool: Any, reserve: int = 0):
+        self.pool, self.reserve = pool, reserve or PRIMER_BLOCKS
 
     def head(self, shape: tuple, dtype: Any, device: Any = None) -> Any:
-        return self._take(shape, dtype, 0)
+        return self._take(shape, dtype, 0, self.pool.shape[2] - self.reserve)
 
     def tail(self, shape: tuple, dtype: Any, device: Any = None) -> Any:
-        return self._take(shape, dtype, self.pool.shape[2] - shape[2])
+        return self._take(shape, dtype, self.pool.shape[2] - shape[2], self.reserve)
 
-    def _take(self, shape: tuple, dtype: Any, first: int) -> Any:
+    def _take(self, shape: tuple, dtype: Any, first: int, most: int) -> Any:
         p = self.pool
         if tuple(shape[:2]) != tuple(p.shape[:2]) or tuple(shape[3:]) != tuple(p.shape[3:]) or dtype != p.dtype:
             raise ValueError(f"a pool of {tuple(shape)} {dtype} is not a slice of {tuple(p.shape)} {p.dtype}")
-        if shape[2] > p.shape[2] // 2:
-            raise ValueError(f"{shape[2]} blocks asked of a pool of {p.shape[2]}: cases take at most half")
+        if shape[2] > most:
+            raise ValueError(f"{shape[2]} blocks asked of a pool of {p.shape[2]}: at most {most} are this side's")
         return p[:, :, first:first + shape[2]]
+
+
+PRIMER_SEQS, PRIMER_CONTEXT = 4, 100
+PRIMER_BLOCKS = PRIMER_SEQS * cdiv(PRIMER_CONTEXT + 64, 16) + 16  # the primer's pool (block size 16)
 
 
 class Primer:
@@ -174,15 +178,13 @@ class Primer:
     steps after setting a case up (a new pool, random KV, a garbage collection) ran up to 2x slower on the
     CPU box: caches and allocator, not the step's work."""
 
-    def __init__(self, model: Any, rng: np.random.Generator, seqs: int = 4, context: int = 100,
-                 pool: Optional[PoolSlices] = None):
+    def __init__(self, model: Any, rng: np.random.Generator, pool: Optional[PoolSlices] = None):
         from pdlab.engine import Engine, EngineConfig
 
-        self.rng, self.seqs, self.context = rng, seqs, context
+        self.rng, self.seqs, self.context = rng, PRIMER_SEQS, PRIMER_CONTEXT
         self.vocab = model.config.vocab_size
-        self.eng = Engine(model, EngineConfig(block_size=16, kv_blocks=seqs * cdiv(context + 64, 16) + 16,
-                                              prefix_caching=False, max_running=seqs),
-                          kv_alloc=pool.tail if pool else None)
+        self.eng = Engine(model, EngineConfig(block_size=16, kv_blocks=PRIMER_BLOCKS, prefix_caching=False,
+                                              max_running=self.seqs), kv_alloc=pool.tail if pool else None)
 
     def __call__(self, steps: int = 4) -> None:
         from pdlab.engine import SamplingParams

@@ -121,8 +121,8 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     from pdlab.engine import Engine, EngineConfig, load_model
     from pdlab.engine.host_malloc import tune_malloc
     from pdlab.engine.model import model_dims
-    from pdlab.timing.measure import (Limits, PoolSlices, describe_device, design, kv_memory_gb, measure_steps,
-                                      probe_transfers, warmup_cases)
+    from pdlab.timing.measure import (PRIMER_BLOCKS, Limits, PoolSlices, describe_device, design, kv_memory_gb,
+                                      measure_steps, probe_transfers, warmup_cases)
 
     model = load_model(job.model, dtype=job.dtype, device=job.device, seed=0)
     dims = model_dims(model)
@@ -133,13 +133,13 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     lim = Limits.for_device("cuda" if cuda else "cpu", dims["max_model_len"])
     rng = np.random.default_rng(job.seed)
     cases = design(job.steps, lim, rng)
-    # the pool a unified worker with the default engine config allocates; at least twice the largest case
+    # the pool a unified worker with the default engine config allocates (larger when a case needs more)
     worker = Engine(model, EngineConfig())
     need = max(2 * sum(cdiv(x + c.steps + 4, 16) for x in c.prompts + c.decoders) + 16
-               for c in cases + warmup_cases(lim))
-    if worker.blocks.num_blocks < 2 * need + 64:
+               for c in cases + warmup_cases(lim)) + PRIMER_BLOCKS
+    if worker.blocks.num_blocks < need:
         del worker
-        worker = Engine(model, EngineConfig(kv_blocks=2 * need + 64))
+        worker = Engine(model, EngineConfig(kv_blocks=need))
     kernels = {n: c.to_dict() for n, c in getattr(worker.runner, "kernels", {}).items()}
     say(f"measuring in a process pinned to {', '.join(job.devices)} ({where}); {len(cases)} cases, about "
         f"{job.steps} steps (prompts/contexts up to {lim.max_context} tokens, up to {lim.max_batch} decodes a step); "

@@ -40,7 +40,7 @@ def profile_raw(*, name: str, source: str, device: str, date: str, model: str, s
                            "device": device}
     if device_kind:
         raw["device_kind"] = device_kind
-    raw.update(date=date, model=model, step={k: sig(float(v)) for k, v in step.items()},
+    raw.update(date=date, model=model, step={k: sig(v) for k, v in step.items()},  # knee_tokens stays an int
                kv_bytes_per_token=int(kv_bytes_per_token))
     if kv_memory_gb is not None:
         raw["kv_memory_gb"] = sig(float(kv_memory_gb))

@@ -55,7 +55,7 @@ class FakeTransport:
 
 
 class FakeWorker:
-    """What RoleHandler uses of a Worker: engine, spec, transport, _send, step_record."""
+    """What RoleHandler uses of a Worker: name, role, engine, spec, transport, send, step_record."""
 
     def __init__(self, engine, src_pool, timeout=30.0):
         self.name, self.role, self.engine = "decode0", "decode", engine
@@ -65,7 +65,7 @@ class FakeWorker:
         self.transport = FakeTransport({"prefill0-kv": src_pool})
         self.sent, self.steps = [], []
 
-    def _send(self, msg):
+    def send(self, msg):
         self.sent.append(msg)
 
     def step_record(self, rec):

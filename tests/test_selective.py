@@ -129,19 +129,6 @@ def test_selective_routes_by_uncached_prompt_and_matches_a_single_engine(mode, f
         assert s.free_blocks == s.total_blocks and s.requests == 0 and not s.leak, (name, s)
 
 
-def test_the_simulator_refuses_selective_routing_rather_than_ignore_it(tmp_path):
-    import os
-    import subprocess
-    import sys
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", os.path.join(root, "recipes", "selective.yaml"),
-                        "--simulate", "--set", "model.timing=cpu-demo-2core", "--out", str(tmp_path / "never")],
-                       capture_output=True, text=True, timeout=120, cwd=root)
-    assert r.returncode == 2 and "variants.selective-256.deployment.route" in r.stderr, r.stderr
-    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
-
-
 @pytest.mark.parametrize("mode", ["pull", "push"])
 def test_a_remote_hand_over_goes_where_the_prefix_is_cached(mode):
     """Without selective routing too, a long prompt's KV goes to the decode worker that already holds its
@@ -162,12 +149,12 @@ def test_a_remote_hand_over_goes_where_the_prefix_is_cached(mode):
     want = "Reserve"
     router.submit("long", long, {"max_tokens": 2})
     if mode == "pull":  # the decode worker is chosen when the prefill is done: ask the choice itself
-        assert router._decode_with_room(router.reqs["long"]).name == "decode0"
+        assert router.decode_for(router.reqs["long"]).worker.name == "decode0"
     else:
         assert sent[-1] == ("decode0", want)
     states[1].free_blocks = 2  # decode0 has no room for the 60 uncached tokens: decode1
     router.submit("long2", PREFIX + eh.prompts([60], seed=5)[0], {"max_tokens": 2})
     if mode == "pull":
-        assert router._decode_with_room(router.reqs["long2"]).name == "decode1"
+        assert router.decode_for(router.reqs["long2"]).worker.name == "decode1"
     else:
         assert sent[-1] == ("decode1", want)

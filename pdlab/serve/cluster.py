@@ -40,6 +40,7 @@ from pdlab.serve import messages as m
 from pdlab.serve.curve import ClusterKeys, KeysError, serve as curve_serve
 from pdlab.serve.guard import Guard, log as control_log
 from pdlab.serve.nodes import NodeLink, RemoteProc
+from pdlab.serve.placement import mirrors_caches
 from pdlab.serve.router import (RequestDone, Router, StepEvent, TokenEvent, TransferEvent, WorkerFailed,
                                 WorkerState)
 from pdlab.serve.topology import ClusterError, place
@@ -207,12 +208,9 @@ class Cluster:
 
     def _mirror_caches(self, d: Any) -> bool:
         """Decode workers report their prefix-cache changes to the router (pdlab.serve.mirror) where its
-        choice of decode worker can use them: selective routing, or several decode workers with the prefix
-        cache on (a hand-over then goes where most of the prompt is cached)."""
-        if not d.disaggregated:
-            return False
-        decoders = sum(1 for w in d.workers if w.role == "decode")
-        return d.route.selective or (decoders > 1 and bool(getattr(self.engine, "prefix_caching", False)))
+        choice of decode worker can use them (pdlab.serve.placement.mirrors_caches)."""
+        return mirrors_caches(d.disaggregated, sum(1 for w in d.workers if w.role == "decode"), d.route.selective,
+                              bool(getattr(self.engine, "prefix_caching", False)))
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -77,7 +77,7 @@ class Worker:
             if self.tp is not None:
                 self.tp.start(self.engine.blocks.num_blocks)
         except Exception as e:  # noqa: BLE001 - reported to the router, then this process ends
-            self._send(m.Fatal(self.name, f"{type(e).__name__}: {e}"))
+            self.send(m.Fatal(self.name, f"{type(e).__name__}: {e}"))
             if self.tp is not None:
                 self.tp.close()
             raise
@@ -98,10 +98,10 @@ class Worker:
 
             fp = KvFingerprint.of(spec.model, self.engine, tp=spec.tp).to_raw()
         kernels = {n: c.to_dict() for n, c in getattr(self.engine.runner, "kernels", {}).items()}
-        self._send(m.Ready(self.name, os.getpid(), handle,
+        self.send(m.Ready(self.name, os.getpid(), handle,
                            self.engine.blocks.num_blocks, self.engine.config.block_size, fp, kernels))
 
-    def _send(self, msg: Any) -> None:
+    def send(self, msg: Any) -> None:
         self.sock.send(m.encode(msg))
 
     def _heartbeat(self) -> None:
@@ -145,7 +145,7 @@ class Worker:
             import traceback
 
             traceback.print_exc()
-            self._send(m.Fatal(self.name, f"{type(e).__name__}: {e}"))
+            self.send(m.Fatal(self.name, f"{type(e).__name__}: {e}"))
             raise
         finally:
             self.stopping.set()
@@ -169,4 +169,4 @@ class Worker:
                        eng.num_waiting, len(eng.seqs), leak)
 
     def step_record(self, rec: Any) -> None:
-        self._send(m.Step(self.name, asdict(rec)))
+        self.send(m.Step(self.name, asdict(rec)))

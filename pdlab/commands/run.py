@@ -53,9 +53,6 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
                 if not v.model.modelled:
                     raise RecipeError(f"{flag}: variant {name} has no model.timing; give it a profile (e.g. "
                                       "model.timing: cpu-demo-2core) to simulate it")
-                if v.deployment.route.selective:
-                    raise RecipeError(f"variants.{name}.deployment.route: the simulator does not route selectively "
-                                      "yet; run this variant with workers (without --simulate)")
         else:
             check_machine(recipe)
         workloads = {name: build_workload(v) for name, v in recipe.variants.items()}

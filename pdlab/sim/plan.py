@@ -25,11 +25,12 @@ class Candidate:
 
 
 def candidates(budget: int, modes: tuple[str, ...] = ("push",), transport: str = "shm",
-               per_worker: int = 1) -> list[Candidate]:
+               per_worker: int = 1, policy: Optional[dict] = None) -> list[Candidate]:
     """Unified with 1..n replicas (the whole budget is the sensible one; fewer are listed too, for goodput
     per device), and every xPyD with x + y = n, where n = budget // per_worker workers: each worker is one
     modelled instance spanning `per_worker` devices (the profile's `devices`: a TP4 profile's worker is four
-    GPUs). Workers share the box's cores: their times are the profile's."""
+    GPUs). Workers share the box's cores: their times are the profile's. `policy`: what every xPyD keeps of
+    the recipe's own disaggregated deployment (`disagg_policy`: first_token, on_transfer_failure, route)."""
     n = budget // per_worker
     if n < 2:
         raise ValueError(f"plan: a budget of {budget} devices holds {n} worker(s) of {per_worker} devices (the "
@@ -44,8 +45,16 @@ def candidates(budget: int, modes: tuple[str, ...] = ("push",), transport: str =
             out.append(Candidate(f"{p}P{d}D-{mode}", n * per_worker,
                                  {"prefill": {"replicas": p, "devices": cores(p)},
                                   "decode": {"replicas": d, "devices": cores(d)},
-                                  "transport": transport, "mode": mode, "share_devices": True}))
+                                  "transport": transport, "mode": mode, "share_devices": True, **(policy or {})}))
     return out
+
+
+def disagg_policy(d: Deployment) -> dict:
+    """The keys of a disaggregated deployment that say how requests go, not where workers run: a planned xPyD
+    keeps them (a selective recipe is planned selective). Empty for a unified one."""
+    if not d.disaggregated:
+        return {}
+    return {"first_token": d.first_token, "on_transfer_failure": d.on_transfer_failure, "route": d.route.to_raw()}
 
 
 def closed_form(v: Variant, slo: SLO, deployment: Deployment) -> Optional[float]:
@@ -97,11 +106,13 @@ class Ranked:
 def plan(recipe: Recipe, budget: int, workloads_for: Any, modes: tuple[str, ...] = ("push",),
          progress: Any = None) -> tuple[list[Ranked], SLO]:
     """Simulate every candidate on the recipe's first variant (its model, timing, engine, workload, SLO,
-    rates and repeats); returns them ranked by goodput, best first, and the SLO they were judged by."""
+    rates and repeats; a disaggregated one's routing, `disagg_policy`); returns them ranked by goodput, best
+    first, and the SLO they were judged by."""
     base = recipe.resolved(recipe.variant_names[0])
     if not base.model.modelled:
         raise ValueError(f"plan: variant {base.name} has no model.timing; planning needs a timing profile")
-    cands = candidates(budget, modes, base.deployment.transport or "shm", base.model.timing.devices)
+    cands = candidates(budget, modes, base.deployment.transport or "shm", base.model.timing.devices,
+                       disagg_policy(base.deployment))
     variants = {c.name: replace(base, name=c.name, deployment=Deployment.from_raw(c.deployment, c.name))
                 for c in cands}
     planned = replace(recipe, variants=variants)

@@ -6,12 +6,16 @@ metrics, goodput and compare code read them.
 Each worker is an Engine with a timed runner whose clock jumps instead of sleeping; the simulator always
 advances the earliest thing that can happen next: an arrival, a KV hand-over landing, or a worker starting
 its next step (when it is free and has work). A step's tokens are stamped at its end, as a worker stamps
-them. Placement follows pdlab.serve.router: unified and prefill workers by least load (requests held),
-decode workers by most free KV blocks less the hand-overs already heading there; push reserves the decode
-blocks before prefill. A pull hand-over lands latency + bytes / bandwidth after the prefill step ends; a
-push overlaps the prefill step layer by layer and lands the last layer's share after it. When it lands, the
-request's blocks are copied from the prefill engine's pool into the decode engine's (the timed pools are
-tiny), so the decode side samples from the KV it holds, as a decode worker does (pdlab.engine.timed).
+them. Placement is pdlab.serve.placement's, the router's own rules, over views of the simulated engines:
+unified and prefill workers by least load (requests held); decode workers by the prompt tokens their prefix
+caches hold (where a run's router mirrors them), then by free KV blocks less those promised to hand-overs
+heading there; push reserves the decode blocks before prefill; with selective routing
+(`route.remote_prefill_min_tokens`) a prompt with fewer uncached tokens than the threshold is prefilled by its
+decode worker (route `local`), as a decode worker does with the router's `Submit`. A pull hand-over lands
+latency + bytes / bandwidth after the prefill step ends; a push overlaps the prefill step layer by layer and
+lands the last layer's share after it. When it lands, the request's blocks are copied from the prefill
+engine's pool into the decode engine's (the timed pools are tiny), so the decode side samples from the KV it
+holds, as a decode worker does (pdlab.engine.timed).
 
 Host time (the profile's `host`, pdlab.timing.host): a worker starts its next step `gap_ms` after its last
 one ended (its own time in between: sending tokens, reading messages); a request reaches its worker `hop_ms`
@@ -19,6 +23,9 @@ after its arrival; a hand-over reaches the decode side `handoff_ms` after the pr
 transfer starts then, and not before the decode worker's current step is over, since a worker reads its
 messages between steps; push: the decode worker admits the request that long after the KV landed). So
 simulated TTFT and ITL carry the time a run's do around its steps. Tokens are stamped at step ends.
+
+Simulated hand-overs never fail (no lease runs out, no copy breaks), so `on_transfer_failure` never applies
+here: no request takes the `recompute` route.
 
 Everything it produces is modelled: it runs no model and measures nothing.
 """
@@ -35,6 +42,7 @@ from pdlab.engine.model import load_stand_in
 from pdlab.kv.copy import copy_blocks
 from pdlab.measure.metrics import build_request_record
 from pdlab.recipe import SLO, Variant
+from pdlab.serve.placement import WorkerView, choose_decode, least_loaded, mirrors_caches, place_arrival
 from pdlab.workload import WorkloadRequest
 
 
@@ -75,6 +83,8 @@ class _Req:
     cached: int = 0
     reservation: Any = None
     src_blocks: list = field(default_factory=list)  # the prompt's blocks in the prefill engine's pool
+    route: str = "remote"  # where its prompt is prefilled (constants.PREFILL_ROUTES)
+    seq: Any = None  # unified and local routes: its engine Sequence, for the prefill's timestamps
 
 
 class Simulator:
@@ -86,6 +96,9 @@ class Simulator:
         self.v, self.slo, self.timing = variant, slo, variant.model.timing
         dep = variant.deployment
         self.mode, self.first_token = dep.mode, dep.first_token
+        self.remote_min = dep.route.remote_prefill_min_tokens
+        decoders = sum(1 for w in dep.workers if w.role == "decode")
+        self.mirror = mirrors_caches(dep.disaggregated, decoders, dep.route.selective, variant.engine.prefix_caching)
         self.xfer = self.timing.transfer_of(dep.transport) if dep.disaggregated else None
         host = self.timing.host
         self.gap_s, self.hop_s, self.handoff_s = host.gap_ms / 1e3, host.hop_ms / 1e3, host.handoff_ms / 1e3
@@ -100,16 +113,22 @@ class Simulator:
     def _of(self, role: str) -> list[_Worker]:
         return [w for w in self.workers.values() if w.role == role]
 
-    def _least_loaded(self, role: str) -> _Worker:
-        return min(self._of(role), key=lambda w: (len(w.holds), w.name))
+    # ---- placement (pdlab.serve.placement) ----
+    def _view(self, w: _Worker) -> WorkerView:
+        """What placement sees of `w`: exact here, where a router sees the workers' reports. Room: free blocks
+        less those of requests heading here that hold no reservation yet."""
+        bs = w.engine.config.block_size
+        waiting = (self._reqs[r] for r in w.holds if r in self._reqs)
+        room = w.engine.blocks.num_free - sum(-(-len(r.wr.prompt_ids) // bs) for r in waiting
+                                              if r.route == "remote" and r.reservation is None)
+        cached = (lambda p: len(w.engine.blocks.match_prefix(p, len(p) - 1)) * bs) if self.mirror else (lambda p: 0)
+        return WorkerView(w.name, w.role, len(w.holds), room, bs, cached)
 
-    def _decode_with_room(self, reqs: dict[str, _Req]) -> _Worker:
-        def room(w: _Worker) -> int:
-            bs = w.engine.config.block_size
-            inflight = sum(-(-len(reqs[r].wr.prompt_ids) // bs) for r in w.holds
-                           if r in reqs and "admitted" not in reqs[r].phases)
-            return w.engine.blocks.num_free - inflight
-        return max(self._of("decode"), key=lambda w: (room(w), -len(w.holds), w.name))
+    def _least_loaded(self, role: str) -> _Worker:
+        return self.workers[least_loaded([self._view(w) for w in self._of(role)]).name]
+
+    def _choose_decode(self, r: _Req) -> _Worker:
+        return self.workers[choose_decode([self._view(w) for w in self._of("decode")], r.wr.prompt_ids).worker.name]
 
     def _transfer_s(self, nbytes: int) -> float:
         return 0.0 if self.xfer is None else self.xfer.transfer_s(nbytes)
@@ -173,17 +192,19 @@ class Simulator:
         params = SamplingParams(max_tokens=r.wr.output_len, ignore_eos=True)
         if kind == "arrive":
             r.phases["queued"] = r.arrival  # the router takes it at once; its worker sees it a hop later (now)
-            if not self._of("decode"):
-                w = self._least_loaded("unified")
-                self._give(r, w, now)
-                w.engine.add(rid, r.wr.prompt_ids, params)
-            elif self.mode == "pull":
-                w = self._least_loaded("prefill")
-                self._give(r, w, now)
-                w.engine.add(rid, r.wr.prompt_ids, params)
-            else:  # push: reserve decode blocks first, then prefill writes into them
+            to = place_arrival([self._view(w) for w in self.workers.values()], r.wr.prompt_ids, self.mode,
+                               self.remote_min)
+            w, r.route = self.workers[to.worker.name], to.route
+            if to.role == "decode" and to.route == "remote":  # push: reserve decode blocks first, then prefill
+                r.decode = w.name  # writes into them
+                w.holds.add(rid)
                 self._waiting_room.append(rid)
                 self._reserve_waiting(now)
+            else:  # unified, pull's prefill worker, or a local prefill on the decode worker
+                self._give(r, w, now)
+                w.engine.add(rid, r.wr.prompt_ids, params)
+                if to.route != "remote":
+                    r.seq = w.engine.sequence(rid)
         elif kind == "land":  # the KV is in the decode pool
             d, p = self.workers[r.decode], self.workers[r.prefill]
             skip = r.reservation.cached_blocks  # held by decode's prefix cache: not sent
@@ -202,8 +223,9 @@ class Simulator:
 
     def _give(self, r: _Req, w: _Worker, now: float) -> None:
         w.holds.add(r.wr.id)
-        if w.role != "decode":
-            r.prefill = w.name
+        r.prefill = w.name
+        if w.role == "decode":  # a local prefill: it decodes where it is prefilled
+            r.decode = w.name
         w.clock.advance_to(now)
 
     def _reserve_waiting(self, now: float) -> None:
@@ -213,7 +235,10 @@ class Simulator:
         still = []
         for rid in self._waiting_room:
             r = self._reqs[rid]
-            d = self.workers[r.decode] if r.decode else self._decode_with_room(self._reqs)
+            if r.decode is None:  # pull: the decode worker is chosen when the hand-over reaches the decode side
+                r.decode = self._choose_decode(r).name
+                self.workers[r.decode].holds.add(rid)
+            d = self.workers[r.decode]
             if self._full.get(d.name, -1) >= d.engine.blocks.num_free:
                 r.decode = d.name
                 still.append(rid)
@@ -313,8 +338,12 @@ class Simulator:
             x.holds.discard(rid)
         self._done.add(rid)
         workers = {"prefill": r.prefill, "decode": r.decode} if r.decode else {"unified": r.prefill}
+        if r.seq is not None:  # prefilled where it decodes: the worker's own prefill timestamps, as a worker reports
+            for k, attr in (("prefill_start", "t_first_scheduled"), ("prefill_end", "t_prefill_end")):
+                if getattr(r.seq, attr, None):
+                    r.phases.setdefault(k, getattr(r.seq, attr))
         self._records.append(build_request_record(
             variant=self.v.name, rate=self._tag["rate"], id=rid, prompt_ids=r.wr.prompt_ids,
             output_ids=r.output_ids, arrival=r.arrival, token_times=r.tokens, slo=self.slo, error=error,
             phases=r.phases, workers=workers, cached_tokens=r.cached, warmup=bool(self._tag.get("warmup")),
-            repeat=self._tag["repeat"], delivery_lag=[0.0] * len(r.tokens), route="remote" if r.decode else "unified"))
+            repeat=self._tag["repeat"], delivery_lag=[0.0] * len(r.tokens), route=r.route))

@@ -288,3 +288,34 @@ def test_write_host_puts_a_runs_host_time_into_the_profile(tmp_path, capsys):
     assert open(path).read().startswith("# measured by hand\n") and t.step == STEP
     assert _write_host({"timed": checks["timed"]}, load_profile(path), path) == 2  # timed steps are the model's
     assert "no variant of this run ran its model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ctrl_c_ends_pdlab_profile_and_its_measuring_process(tmp_path):
+    import signal
+    import time
+
+    out = tmp_path / "never.yaml"
+    p = subprocess.Popen([sys.executable, "-m", "pdlab.cli", "profile", "--model", "tiny-llama", "--steps", "400",
+                          "--no-host", "--out", str(out)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while "measuring in a process" not in (line := p.stdout.readline()):  # the measuring process is up
+            assert line and time.monotonic() < deadline, p.stderr.read()
+        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        p.send_signal(signal.SIGINT)
+        _, err = p.communicate(timeout=120)
+    finally:
+        p.kill()
+    assert p.returncode == 130 and err.strip().splitlines()[-1] == "interrupted (Ctrl-C): nothing written"
+    def running(pid: str) -> bool:  # a zombie (exited, not yet reaped by whoever inherited it) is not running
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 10
+    while any(running(k) for k in kids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kids and not [k for k in kids if running(k)] and not out.exists()  # no orphan, no file

@@ -82,6 +82,9 @@ def main(model: str = "cpu-demo", device: str = "cpu", dtype: Optional[str] = No
         res = measure(job_for(model, dtype, device, picked, steps, seed), progress=say)
     except MeasureError as e:
         return _err(str(e))
+    except KeyboardInterrupt:  # the measuring process is ended on the way out (pdlab.timing.process.measure)
+        print("interrupted (Ctrl-C): nothing written", file=sys.stderr)
+        return 130
     host_est = None
     if host and cuda:
         say("host time: not probed on cuda (a GPU deployment per profile is costly); take it from a run with "
@@ -91,6 +94,9 @@ def main(model: str = "cpu-demo", device: str = "cpu", dtype: Optional[str] = No
 
         try:
             host_est = probe_host(model, dtype, mine[-2:] if len(mine) > 1 else mine, seed, say)
+        except KeyboardInterrupt:  # the probe's cluster stops its workers on the way out
+            print("interrupted (Ctrl-C): nothing written", file=sys.stderr)
+            return 130
         except Exception as e:  # noqa: BLE001 - the steps are measured: write them, say what is missing
             say(f"warning: host time not measured ({type(e).__name__}: {e}); the profile's host block stays empty")
     from pdlab.timing.build import build_profile

@@ -243,6 +243,7 @@ def test_shipped_profiles():
 
 # ---- the command ----
 
+@pytest.mark.slow
 def test_steps_are_measured_in_a_process_set_up_as_a_worker(tiny):
     """Pinned to the core asked for, one torch thread, the kernels a runner of the model chooses here, malloc
     tuned: a worker's set-up (issue 25: a profile timed in the command's own process measured other code)."""
@@ -257,6 +258,7 @@ def test_steps_are_measured_in_a_process_set_up_as_a_worker(tiny):
         measure(job_for("no-such-model", "float32", "cpu", [core], 20, 0))
 
 
+@pytest.mark.slow
 def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     out = tmp_path / "tiny.yaml"
     assert main(model="tiny-llama", steps=24, out=str(out), seed=3) == 0

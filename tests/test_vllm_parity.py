@@ -15,9 +15,10 @@ VLLM_PYTHON = os.environ.get("PDLAB_VLLM_PYTHON", os.path.join(ROOT, ".venv-vllm
 LENGTHS = [40, 200, 333, 517, 640, 1000, 129, 256]
 NEW_TOKENS = 32
 
-pytestmark = pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
-                                reason=f"vLLM's environment is absent ({VLLM_PYTHON}); create it with "
-                                       "scripts/vllm-env.sh --nixl")
+pytestmark = [pytest.mark.slow,  # vLLM servers: minutes
+              pytest.mark.skipif(not os.path.isfile(VLLM_PYTHON),
+                                 reason=f"vLLM's environment is absent ({VLLM_PYTHON}); create it with "
+                                        "scripts/vllm-env.sh --nixl")]
 
 
 UNIFIED = {"unified": {"devices": ["cpu:0"]}}

@@ -1,6 +1,7 @@
 """End to end through the CLI: a tiny recipe, unified and disaggregated, two rates."""
 
 import json
+import multiprocessing
 import os
 import shutil
 import subprocess
@@ -25,6 +26,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def cli(*args) -> tuple[int, str, str]:
+    """`pdlab ARGS` in this process (typer's parser, the command's code; no interpreter to start): exit code,
+    stdout, stderr. An exception the command did not turn into an exit code fails the test (a traceback, for a
+    user); so does a process it left running."""
+    from typer.testing import CliRunner
+
+    from pdlab.cli import app
+
+    children = multiprocessing.active_children()
+    r = CliRunner().invoke(app, list(args))
+    assert r.exception is None or isinstance(r.exception, SystemExit), repr(r.exception)
+    assert multiprocessing.active_children() == children
+    return r.exit_code, r.stdout, r.stderr
 
 
 @pytest.fixture(scope="module")
@@ -152,15 +168,15 @@ def test_compare_two_runs(tiny_run, tmp_path):
 ])
 def test_bad_recipes_fail_in_one_line_and_start_nothing(args, msg, tmp_path):
     out = str(tmp_path / "never")
-    r = pdlab("run", TINY, "--out", out, *args, timeout=60)
-    assert r.returncode == 2, (r.stdout, r.stderr)
-    lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("pdlab run: error: ") and msg in lines[0], r.stderr
-    assert "Traceback" not in r.stderr
+    code, _, stderr = cli("run", TINY, "--out", out, *args)
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pdlab run: error: ") and msg in lines[0], stderr
     assert not os.path.exists(out)
 
 
 def test_missing_recipe_file(tmp_path):
+    """As the installed command, in a process of its own: one line, exit 2, no traceback."""
     r = pdlab("run", str(tmp_path / "nope.yaml"), timeout=60)
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
 
@@ -172,15 +188,15 @@ def test_missing_recipe_file(tmp_path):
 def test_a_directory_or_an_empty_file_is_not_a_recipe(tmp_path, make, msg):
     path = tmp_path / "r.yaml"
     make(path)
-    r = pdlab("run", str(path), timeout=60)
-    assert r.returncode == 2 and msg in r.stderr and "Traceback" not in r.stderr, r.stderr
+    code, _, stderr = cli("run", str(path))
+    assert code == 2 and msg in stderr, stderr
 
 
 def test_out_that_is_a_file(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
-    r = pdlab("run", TINY, "--out", str(f), timeout=60)
-    assert r.returncode == 2 and "not a directory" in r.stderr and "Traceback" not in r.stderr
+    code, _, stderr = cli("run", TINY, "--out", str(f))
+    assert code == 2 and "not a directory" in stderr, stderr
 
 
 @pytest.mark.slow

@@ -1,5 +1,7 @@
 """The engine generates exactly what transformers' greedy generate does, whatever the batching."""
 
+import functools
+
 import pytest
 import torch
 
@@ -9,9 +11,14 @@ from pdlab.engine import Engine, EngineConfig, SamplingParams, load_model
 MIXED = [5, 17, 40, 33, 64, 1, 90]
 
 
+@functools.lru_cache(maxsize=None)
+def _greedy(preset: str, prompt: tuple[int, ...], n: int) -> tuple[int, ...]:
+    return tuple(hf_greedy(reference(preset), list(prompt), n))
+
+
 def expect(preset: str, reqs: list[list[int]], n: int) -> dict:
-    ref = reference(preset)
-    return {str(i): hf_greedy(ref, p, n) for i, p in enumerate(reqs)}
+    """transformers' greedy tokens, by request index (once per prompt and length: tests share them)."""
+    return {str(i): list(_greedy(preset, tuple(p), n)) for i, p in enumerate(reqs)}
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])

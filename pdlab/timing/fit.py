@@ -38,7 +38,9 @@ from pdlab.engine.timed import StepCounts
 
 TERMS = ("fixed_ms", "prefill_token_ms", "prefill_attention_ms", "decode_seq_ms", "context_token_ms", "chunk_ms",
          "fresh_pair_ms", "resumed_pair_ms", "resumed_context_ms", "knee_token_ms")
-KNEES = (8, 16, 32, 64, 128, 256, 512, 1024)  # candidate knee_tokens (0, no knee, is tried too)
+# candidate knee_tokens (0, no knee, is tried too): the small-batch regime only; a knee among long prefill chunks
+# would let the fit trade the per-token term for attention pairs on noisy steps and extrapolate badly
+KNEES = (8, 16, 32, 64, 128, 256)
 KINDS = ("prefill", "decode", "mixed")
 
 

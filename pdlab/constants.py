@@ -91,6 +91,10 @@ CPU_KERNELS = ("decode_attention", "prefill_attention", "rotary", "swiglu", "rms
 # this machine), on (use every kernel that builds and applies, untimed) or off (torch only)
 CPU_KERNEL_ENV = "PDLAB_CPU_KERNEL"
 CPU_KERNEL_MODES = ("auto", "on", "off")
+# PDLAB_KERNEL_MARCH: the -march target of the process's kernel build (default native); x86-64-v3 on an AVX-512
+# box stands in for an AVX2-only CPU (benchmarks/bench_vllm_matrix.py --isa). A target this CPU cannot run dies
+# with an illegal instruction.
+KERNEL_MARCH_ENV = "PDLAB_KERNEL_MARCH"
 SERVE_SHUTDOWN_TIMEOUT_S = 60.0  # pdlab serve: SIGTERM lets requests in flight finish this long, then cancels
 
 # ---- timing profiles (pdlab.timing): when a profile's step model is said not to fit ----

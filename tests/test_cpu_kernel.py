@@ -3,6 +3,7 @@ decode attention equal to SDPA on paged K/V, causal prefill attention equal to S
 transformers bit for bit, SwiGLU and RMSNorm to float rounding, on every path; the engine's torch paths where
 they cannot be built. (Which of them a runner uses is pdlab.engine.kernel_check's: tests/test_kernel_check.py.)"""
 
+import json
 import os
 import re
 import shutil
@@ -126,6 +127,24 @@ def test_switched_off_or_without_a_compiler_the_torch_path_is_used(tmp_path):
     status = _status_in_subprocess({"CC": "/nonexistent/cc", "PDLAB_KERNEL_CACHE": str(tmp_path)})
     assert status.startswith("unavailable (no C compiler") and "torch" in status
     assert os.listdir(tmp_path) == []
+
+
+@needs_cc
+@pytest.mark.skipif("sse2" not in FLAGS, reason="x86-64 targets only")
+def test_the_process_build_takes_its_target_from_the_environment(tmp_path, monkeypatch):
+    """$PDLAB_KERNEL_MARCH=x86-64 (SSE2, plain C: runnable on any x86-64): the engine's build is that target's,
+    the same files a build for it makes, and the status says which target it is."""
+    monkeypatch.setenv("PDLAB_KERNEL_CACHE", str(tmp_path))
+    code = ("import json; from pdlab.engine import cpu_kernel as c; k = c.load(); "
+            "print(json.dumps([k.march, sorted(k.paths.values()), c.status()]))")
+    p = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PDLAB_KERNEL_MARCH": "x86-64"},
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    march, paths, status = json.loads(p.stdout)
+    assert march == "x86-64" and status == "built (-march=x86-64, PDLAB_KERNEL_MARCH)"
+    # a build's file is keyed by its flags, -march included: that process built the x86-64 files, and only those
+    assert paths == sorted(kernel_build.build(n, "x86-64") for n in cpu_kernel.SIGNATURES)
+    assert sorted(os.listdir(tmp_path)) == sorted([".lock", *map(os.path.basename, paths)])
 
 
 @needs_cc

@@ -21,7 +21,8 @@ the default; `on`; `off`), no compiler, a failed build, a dtype other than float
 kernels' limits, or a kernel slower here than torch: the engine uses its torch paths (pdlab.engine.attention,
 transformers' own ops), with the same tokens, to float rounding. `status()` says which were built and why
 not (pdlab doctor prints it); a runner's choices, with the timings, go into its worker's Ready message and
-from there into env.json, the summary and compare's header.
+from there into env.json, the summary and compare's header. $PDLAB_KERNEL_MARCH builds them for another target
+than this CPU's own (`x86-64-v3`: the AVX2 paths on an AVX-512 box).
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from typing import Any, Optional
 
 import torch
 
-from pdlab.constants import CPU_KERNEL_ENV, CPU_KERNEL_MODES, CPU_KERNELS, cdiv
-from pdlab.engine.kernel_build import BuildError, build
+from pdlab.constants import CPU_KERNEL_ENV, CPU_KERNEL_MODES, CPU_KERNELS, KERNEL_MARCH_ENV, cdiv
+from pdlab.engine.kernel_build import BuildError, build, process_march
 
 MAX_GROUP, MAX_DIM = 32, 256  # the decode kernel's limits (query heads per K/V head, head_dim), as in the source
 PREFILL_ROWS = 8  # csrc/prefill_attention.c's ROWS: query heads per K/V head at most this many
@@ -183,16 +184,16 @@ _off: dict[str, str] = {}  # kernel -> why this process runs the torch path inst
 
 
 def load() -> Optional[Kernels]:
-    """The process's native build (tried once per process), or None where no kernel is in use (the reason is
-    in `status()`)."""
+    """The process's build (tried once per process): native, or $PDLAB_KERNEL_MARCH's target
+    (kernel_build.process_march); None where no kernel is in use (the reason is in `status()`)."""
     global _native, _status
     if _native is not None or _status:
         return _native
     if mode() == "off":
         _status = f"off ({CPU_KERNEL_ENV}=off)"
         return None
-    k = Kernels()
-    _status = k.status()
+    k = Kernels(process_march())
+    _status = k.status() + ("" if k.march == "native" else f" (-march={k.march}, {KERNEL_MARCH_ENV})")
     _native = k if k.fns else None
     return _native
 

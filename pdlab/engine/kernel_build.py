@@ -11,7 +11,9 @@ next build (under the lock nobody else is compiling). The compiler's identity (`
 per process, and not at all on a cache hit of the same process.
 
 Every kernel builds as C11 (`-std=c11`) with warnings on; the tests build with `-Werror` and for more than
-one target (`-march=native`, and `x86-64-v3`, the AVX2 path, where this CPU can run it).
+one target (`-march=native`, and `x86-64-v3`, the AVX2 path, where this CPU can run it). The engine's build is
+native unless $PDLAB_KERNEL_MARCH names another target (`process_march()`): `x86-64-v3` on an AVX-512 box stands in
+for an AVX2-only CPU in benchmarks.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import shutil
 import subprocess
 from typing import Iterator
 
-from pdlab.constants import KERNEL_BUILD_TIMEOUT_S
+from pdlab.constants import KERNEL_BUILD_TIMEOUT_S, KERNEL_MARCH_ENV
 
 CSRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "csrc")
 # -Wno-psabi: GCC notes that a 64-byte vector argument changes the ABI without AVX-512; every such function is
@@ -75,6 +77,11 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return platform.machine()
+
+
+def process_march() -> str:
+    """The -march target of the process's kernel build: $PDLAB_KERNEL_MARCH, else native."""
+    return os.environ.get(KERNEL_MARCH_ENV, "").strip() or "native"
 
 
 def flags(name: str, march: str = "native", werror: bool = False) -> list[str]:

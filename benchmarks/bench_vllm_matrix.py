@@ -12,8 +12,9 @@ max_num_batched_tokens) and 64 sequences at most; pdlab runs its default schedul
 budget in pieces) unless --chunked-prefill; vLLM always chunks.
 
 --isa x86-64-v3 stands in for an AVX2-only CPU on an AVX-512 box: pdlab's kernels built for that target
-(PDLAB_KERNEL_MARCH), vLLM on its AVX2 kernel library (_C_AVX2), torch's kernels in both capped at AVX2
-(ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS). On an AVX2 box it is the native build again.
+(PDLAB_KERNEL_MARCH), vLLM on its AVX2 kernel library (_C_AVX2) and attention path (benchmarks/avx2_stand_in),
+torch's kernels in both capped at AVX2 (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS). On an
+AVX2 box it is the native build again.
 
 pdlab's runner times its kernels against torch's paths once per shape and build and caches the verdict
 (pdlab.engine.kernel_check). Each (ISA, threads) of a matrix run gets an empty cache of its own, so the verdicts
@@ -105,8 +106,7 @@ def commands(args: argparse.Namespace, model_dir: str, work: str, threads: int, 
     bind = str(cores[0]) if threads == 1 else f"{cores[0]}-{cores[-1]}"
     return {"pdlab": (pin + pdlab, {**torch_env, "PDLAB_KERNEL_CACHE": cache, "PDLAB_KERNEL_MARCH": isa}),
             "vllm": (pin + [args.vllm_python, *common, "--vllm-worker"],
-                     {**torch_env, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space),
-                      "VLLM_WORKER_MULTIPROC_METHOD": "fork"})}  # fork: vLLM's processes keep the worker's ISA
+                     {**torch_env, "VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(args.kv_space)})}
 
 
 def run_cell(args: argparse.Namespace, cmds: dict) -> dict:
@@ -170,6 +170,10 @@ def main() -> int:
                 doc["cells"].append(summarize(cell))
                 doc["wall_s"] = time.monotonic() - start
                 write(args.json, doc)
+                left = len(cells) - len(doc["cells"])
+                pace = doc["wall_s"] / len(doc["cells"]) * left / 60
+                print(f"    cell: {cell['wall_s'] / 60:.1f} min; {left} cells left"
+                      + (f", about {pace:.0f} min at this pace" if left else ""), flush=True)
     except KeyboardInterrupt:
         done = len(doc["cells"])
         print(f"bench_vllm_matrix: interrupted after {done} of {len(cells)} cells"

@@ -53,7 +53,7 @@ def read_work(path: str, new_tokens: int) -> tuple[list, list]:
 
 def vllm_worker(args: argparse.Namespace) -> None:
     """Runs in vLLM's environment: time LLM.generate over the prompts, print JSON."""
-    import torch
+    import torch  # deferred: torch, vllm (each worker imports its own environment's; the parent neither)
 
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
     if args.isa == AVX2_STAND_IN:  # here, and through PYTHONPATH in each process vLLM starts (avx2_only.py says why)
@@ -109,7 +109,7 @@ def kernels_used(fn: object) -> list[str]:
     """Which of pdlab's CPU kernels did work while fn ran: a kernel the runner chose may still not apply (Phi-3's
     gate_up_proj is not the fused gate/up pdlab's SwiGLU kernel serves); the callers reach them through the
     cpu_kernel module, so counting wrappers there see every call."""
-    from pdlab.constants import CPU_KERNELS
+    from pdlab.constants import CPU_KERNELS  # deferred: torch (pdlab's environment only, as in pdlab_worker)
     from pdlab.engine import cpu_kernel
 
     ran: set[str] = set()

@@ -36,7 +36,7 @@ class Shape:
         return self.hidden // self.heads
 
     def config(self) -> Any:
-        import transformers  # deferred: the workers import this module's callers without transformers' cost
+        import transformers  # deferred: transformers (bench_vllm_matrix answers a bad argument before loading it)
 
         common = dict(vocab_size=VOCAB, hidden_size=self.hidden, num_hidden_layers=self.layers,
                       num_attention_heads=self.heads, num_key_value_heads=self.kv_heads,
@@ -53,6 +53,7 @@ class Shape:
 
     def save(self, path: str, seed: int = 0) -> str:
         """Seeded weights in float32, saved at `path` (safetensors and config.json); returns path."""
+        # deferred: torch, transformers (as in config)
         import torch
         from transformers import AutoModelForCausalLM
         from transformers.utils import logging
@@ -83,7 +84,7 @@ class Workload:
     def make(self, prompts: Optional[int] = None) -> dict:
         """{prompts, max_tokens}, seeded by the workload's name (the same whichever cells a run selects);
         `prompts` overrides the count (a quick check)."""
-        import torch
+        import torch  # deferred: torch (as in Shape.config)
 
         g = torch.Generator().manual_seed(zlib.crc32(self.name.encode()))
         n = prompts or self.prompts

@@ -31,6 +31,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AVX2_STAND_IN = "x86-64-v3"  # --isa of bench_vllm_matrix: an AVX-512 box standing in for an AVX2-only CPU
@@ -105,7 +106,7 @@ def pdlab_worker(args: argparse.Namespace) -> None:
                                   "kernel_build": cpu_kernel.status()}))
 
 
-def kernels_used(fn: object) -> list[str]:
+def kernels_used(fn: Callable[[], object]) -> list[str]:
     """Which of pdlab's CPU kernels did work while fn ran: a kernel the runner chose may still not apply (Phi-3's
     gate_up_proj is not the fused gate/up pdlab's SwiGLU kernel serves); the callers reach them through the
     cpu_kernel module, so counting wrappers there see every call."""
@@ -115,7 +116,7 @@ def kernels_used(fn: object) -> list[str]:
     ran: set[str] = set()
     real = {n: getattr(cpu_kernel, n) for n in CPU_KERNELS}
 
-    def counted(name: str, f: object) -> object:
+    def counted(name: str, f: Callable) -> Callable:
         def call(*a: object) -> object:
             out = f(*a)  # the attention kernels write into `out` (None); the others give None where they do not apply
             if out is not None or name.endswith("attention"):

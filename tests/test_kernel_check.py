@@ -12,7 +12,7 @@ import torch
 from engine_helpers import engine, hf_greedy, prompts, reference, run
 from pdlab.constants import CPU_KERNEL_ENV, CPU_KERNELS
 from pdlab.engine import cpu_kernel, kernel_check
-from pdlab.engine.kernel_check import Choice, Shape, choose
+from pdlab.engine.kernel_check import Choice, Shape, cache_key, choose
 from pdlab.measure.kernels import KernelLog, describe, fell_back
 
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler here")
@@ -50,12 +50,20 @@ def test_a_kernel_slower_here_is_not_used_and_the_verdict_is_cached(fresh, monke
     assert all(got[n].use and got[n].why == "faster here" for n in CPU_KERNELS if n != "prefill_attention")
     assert not cpu_kernel.active("prefill_attention") and cpu_kernel.active("decode_attention")
     cached = json.load(open(next(fresh.glob("check-*.json"))))
-    assert cached[SHAPE.key()]["prefill_attention"] == [3.0, 1.0]
+    assert cached[cache_key(SHAPE, torch.get_num_threads())]["prefill_attention"] == [3.0, 1.0]
     timed.clear()
     assert choose(SHAPE, torch.float32) == got and not timed, "timed again instead of reading the cache"
     other = Shape(8, 2, 16, 48, 80)
     choose(other, torch.float32)
     assert sorted(timed) == sorted(CPU_KERNELS), "another shape is timed on its own"
+    timed.clear()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        choose(SHAPE, torch.float32)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(timed) == sorted(CPU_KERNELS), "another torch thread count is timed on its own"
 
 
 @needs_cc

@@ -164,6 +164,12 @@ def applies(name: str, s: Shape, dtype: torch.dtype) -> Optional[str]:
     return None
 
 
+def cache_key(s: Shape, threads: int) -> str:
+    """A verdict's key in the check file: the shape, and torch's threads (its side of the race runs on the
+    process's threads, so one core and two get a verdict each; a CPU worker has one)."""
+    return f"{s.key()}-t{threads}"
+
+
 def _check_file(k: cpu_kernel.Kernels) -> str:
     build = hashlib.sha256(" ".join(sorted(os.path.basename(p) for p in k.paths.values())).encode()).hexdigest()
     return os.path.join(cache_dir(), f"check-{build[:16]}.json")
@@ -180,22 +186,21 @@ def _timed(k: cpu_kernel.Kernels, s: Shape, names: list[str]) -> dict[str, list[
         except (OSError, ValueError):
             return {}
 
-    have = read().get(s.key(), {})
+    key = cache_key(s, torch.get_num_threads())
+    have = read().get(key, {})
     if all(n in have for n in names):
         return have
     os.makedirs(cache_dir(), exist_ok=True)
     with locked(cache_dir()):
         everything = read()
-        have = everything.get(s.key(), {})
+        have = everything.get(key, {})
         missing = [n for n in names if n not in have]
         if missing:
-            threads = torch.get_num_threads()
             g = torch.Generator().manual_seed(0)
             with torch.inference_mode():
                 for n in missing:
                     have[n] = list(RACES[n](k, s, g))
-            have["torch_threads"] = threads
-            everything[s.key()] = have
+            everything[key] = have
             tmp = f"{path}.tmp-{os.getpid()}"
             with open(tmp, "w") as f:
                 json.dump(everything, f, indent=1)

@@ -41,16 +41,16 @@ def worker_warning(variant: str, profile: Any, workers: dict[str, dict]) -> Opti
 def shape_key(model: Any) -> Optional[str]:
     """kernel_check's cache key of a model spec's shape (None: it has no config pdlab can read)."""
     try:
-        from pdlab.engine.kernel_check import Shape
+        from pdlab.engine.kernel_check import Shape, cache_key
         from pdlab.engine.model import model_config
 
         cfg = model_config(model)
     except Exception:  # noqa: BLE001 - a model pdlab cannot describe: nothing to compare
         return None
     heads = cfg.num_attention_heads
-    return Shape(heads, getattr(cfg, "num_key_value_heads", None) or heads,
-                 getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, cfg.hidden_size,
-                 cfg.intermediate_size).key()
+    return cache_key(Shape(heads, getattr(cfg, "num_key_value_heads", None) or heads,
+                           getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, cfg.hidden_size,
+                           cfg.intermediate_size), 1)  # a CPU worker's one torch thread
 
 
 def machine_choice(model: Any) -> Optional[dict[str, dict]]:

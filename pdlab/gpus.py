@@ -44,6 +44,7 @@ def visible_entries(env: Optional[str], count: int) -> list[str]:
 def nvml_count() -> int:
     """Physical GPUs on this machine per NVML; 0 without a driver or without pynvml."""
     try:
+        # deferred: pynvml
         import pynvml
 
         pynvml.nvmlInit()
@@ -64,6 +65,7 @@ def nvml_peer_access(a: str, b: str) -> Optional[bool]:
     """Whether GPU entries `a` and `b` can read and write each other's memory (NVML's P2P status); None when
     NVML cannot say (no pynvml, a MIG entry, an old driver): the caller decides what unknown means."""
     try:
+        # deferred: pynvml
         import pynvml
 
         pynvml.nvmlInit()

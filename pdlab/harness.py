@@ -20,14 +20,19 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pdlab.constants import STALL_TIMEOUT_S
+from pdlab.devices import parse_devices
+from pdlab.external import check_variant
+from pdlab.fields import RecipeError
 from pdlab.measure.metrics import build_request_record
 from pdlab.measure.box import calibration_check
 from pdlab.measure.kernels import KernelLog
-from pdlab.measure.records import RunDir
+from pdlab.measure.records import RunDir, read_jsonl
 from pdlab.measure.search import RateSearch
 from pdlab.measure.transports import TransportPaths
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.recipe.recipe import relative_rate
+from pdlab.serve import topology
+from pdlab.serve.sharing import host_cores
 from pdlab.workload import Workload, WorkloadRequest, build_requests, trace_facts
 
 LEAD_S = 0.05  # the first arrival is this far after the rate starts, so nothing is late by construction
@@ -61,12 +66,10 @@ class Alone:
 
 def check_machine(recipe: Recipe) -> None:
     """Every variant's devices exist on this machine, checked before any process starts (raises ClusterError)."""
-    from pdlab.external import check_variant
-    from pdlab.serve.topology import place
 
     for v in recipe.variants.values():
         if v.deployment.endpoint is None:  # an endpoint runs on its own machines
-            place(v.deployment)
+            topology.place(v.deployment)
         check_variant(v)
         check_model(v)
 
@@ -77,8 +80,8 @@ def check_model(v: Variant) -> None:
     tp = max((w.tp for w in v.deployment.workers), default=1) if v.deployment.endpoint is None else 1
     if tp == 1 or v.backend.external or v.model.modelled:
         return
+    # deferred: torch
     from pdlab.engine.tp_plan import TpPlanError, check_spec
-    from pdlab.fields import RecipeError
 
     try:
         check_spec(v.model, tp)
@@ -101,17 +104,13 @@ def calibration_deployment(v: Variant) -> tuple[Deployment, str]:
 def worker_cores(recipe: Recipe) -> set[int]:
     """The CPU cores any worker of the recipe is pinned to (a GPU worker: its host cores, as the launcher
     will give them, pdlab.serve.sharing)."""
-    from pdlab.devices import parse_devices
-    from pdlab.serve.sharing import host_cores
-    from pdlab.serve.topology import cpu_cores
-
     cores: set[int] = set()
     for v in recipe.variants.values():
         workers = v.deployment.workers
         if v.deployment.endpoint is not None:
             continue
         if v.deployment.device_kind == "cuda":
-            cores.update(c for mine in host_cores(cpu_cores(), len(workers)) for c in mine)
+            cores.update(c for mine in host_cores(topology.cpu_cores(), len(workers)) for c in mine)
         else:  # this machine's: a worker on another node pins that node's cores
             cores.update(d.index for w in workers if w.node is None for d in parse_devices(list(w.devices))
                          if d.kind == "cpu")
@@ -151,7 +150,7 @@ class Harness:
 
     def _profile_check(self) -> tuple[dict, list[str]]:
         """Each variant's steps against the profile its recipe names (pdlab.timing.check), from the records."""
-        from pdlab.measure.records import read_jsonl
+        # deferred: torch
         from pdlab.timing.check import run_facts
 
         variants = {n: self.recipe.resolved(n) for n in self.recipe.variant_names}
@@ -179,13 +178,16 @@ class Harness:
         """The workers of `deployment` for variant `v`: pdlab's own, external servers, or a running endpoint
         (engine.backend)."""
         if v.backend.endpoint:
+            # deferred: aiohttp
             from pdlab.external.endpoint import EndpointCluster
 
             return EndpointCluster(v, deployment, label=label, log_dir=self.rd.file("servers"))
         if v.backend.external:
+            # deferred: aiohttp
             from pdlab.external.cluster import ExternalCluster
 
             return ExternalCluster(v, deployment, label=label, log_dir=self.rd.file("servers"))
+        # deferred: torch
         from pdlab.serve.cluster import Cluster
 
         return Cluster(v.model, v.engine, deployment, seed=v.seed)
@@ -305,6 +307,7 @@ class Harness:
     def serve(self, cluster: Any, variant: str, rate: float, repeat: int, reqs: tuple[WorkloadRequest, ...],
               warmup: bool, write: bool = True, slo: Optional[SLO] = None) -> list[dict]:
         """Send `reqs` at their arrival offsets and collect until each has finished; returns their records."""
+        # deferred: torch
         from pdlab.serve.cluster import RequestDone, StepEvent, TokenEvent, TransferEvent, WorkerFailed
 
         slo = slo or self.slo

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from pdlab.engine.model import load_tokenizer, model_config
 from pdlab.recipe.workload import ArrivalSpec, LengthSpec, WorkloadSpec
 from pdlab.traces import TraceError
 from pdlab.traces.replay import Replay, replay_for
@@ -236,7 +237,6 @@ def build_workload(variant: Any) -> Workload:
     is built now, for every repeat, before anything starts, so that a workload the model cannot serve is a
     recipe error now rather than failed requests later; searched rates draw prompts from the same stream,
     so their prompts are the ones checked."""
-    from pdlab.engine.model import load_tokenizer, model_config
 
     config = model_config(variant.model)
     vocab = config.vocab_size

@@ -22,6 +22,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from aiohttp import web
+
 from pdlab.api.bridge import Bridge
 from pdlab.api.server import ServeState, build_app
 
@@ -90,8 +92,6 @@ def serve(cluster: Any, ledger: Any, metrics: Any, served: Any, paths: Any, sock
 
 async def _serve(cluster: Any, ledger: Any, metrics: Any, served: Any, paths: Any, sock: socket.socket,
                  opts: ServeOptions, banner: str) -> int:
-    from aiohttp import web
-
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = {"n": 0, "failure": None}

@@ -10,6 +10,8 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+from pdlab.measure.records import RunDirError, dumps
+
 PARTIAL_EXIT = 3
 
 
@@ -20,7 +22,7 @@ def _error(msg: str) -> int:
 
 def main(runs: list[str], baseline: Optional[str], json_: bool, plot: Optional[str], rate: Optional[float] = None,
          slo_scale: Optional[str] = None) -> int:
-    from pdlab.measure.records import RunDirError, dumps
+    # deferred: numpy
     from pdlab.report.compare import compare, render
     from pdlab.report.load import load
     from pdlab.report.rescore import parse_scales, rescore_runs
@@ -47,6 +49,7 @@ def main(runs: list[str], baseline: Optional[str], json_: bool, plot: Optional[s
         print(f"note: --rate {rate:g} is not used: with a rate search the latencies are at each row's goodput",
               file=sys.stderr)
     if plot:
+        # deferred: numpy
         from pdlab.report.plots_compare import write_compare_plots
 
         written = write_compare_plots(result, loaded, plot)
@@ -58,6 +61,7 @@ def main(runs: list[str], baseline: Optional[str], json_: bool, plot: Optional[s
     else:
         render(result)
         if scales is not None:
+            # deferred: numpy
             from pdlab.report.rescore import render as render_scales
 
             render_scales(result["slo_scale"])

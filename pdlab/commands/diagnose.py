@@ -14,6 +14,10 @@ import time
 from dataclasses import replace
 from typing import Any, Optional
 
+from pdlab.diagnose.lengths import read_lengths
+from pdlab.diagnose.plan import Caps, Options, PlanError, build_plan, render
+from pdlab.measure.records import RunDir, RunDirError, default_run_path, dumps, load_run
+
 PARTIAL_EXIT = 3
 INTERRUPTED_EXIT = 130
 
@@ -30,8 +34,6 @@ def _html_ok(html: Optional[str]) -> Optional[str]:
 
 
 def parse_lengths(text: str, option: str = "--lengths") -> tuple[int, ...]:
-    from pdlab.diagnose.plan import PlanError
-
     try:
         out = tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
@@ -44,8 +46,6 @@ def parse_lengths(text: str, option: str = "--lengths") -> tuple[int, ...]:
 
 def options(target: str, kw: dict) -> Any:
     """The diagnosis' Options from the command line's values (PlanError, one line, for a bad one)."""
-    from pdlab.diagnose.lengths import read_lengths
-    from pdlab.diagnose.plan import Caps, Options
 
     d = Options("", "")
     caps = Caps(kw["max_concurrency"], kw["max_rate"], kw["max_tokens_total"], kw["max_duration"])
@@ -61,7 +61,6 @@ def main(target: str, **kw: Any) -> int:
     command line's options by name (pdlab.cli.diagnose)."""
     if os.path.isdir(target):
         return offline(target, kw["itl_ms"], kw["out"], kw["html"], kw["json_"], kw["steps_from"])
-    from pdlab.diagnose.plan import PlanError
 
     try:
         opts = options(target, kw)
@@ -82,8 +81,8 @@ def _server_run(steps_from: Optional[str], responses: tuple[str, ...] = ()) -> A
     """The server's run directory; with `responses` (the diagnosis' response ids), read once the server has
     recorded all of them (it records a stream its client cut only once its engine let go of it), or after
     RECORDS_WAIT_S."""
+    # deferred: numpy
     from pdlab.diagnose.agreement import CHOICE_SUFFIX
-    from pdlab.measure.records import load_run
 
     deadline = time.monotonic() + RECORDS_WAIT_S
     while True:
@@ -100,9 +99,8 @@ def _server_run(steps_from: Optional[str], responses: tuple[str, ...] = ()) -> A
 
 def online(opts: Any, out: Optional[str], html: Optional[str], dry_run: bool, json_: bool,
            steps_from: Optional[str]) -> int:
+    # deferred: aiohttp, numpy
     from pdlab.diagnose.connect import DiagnoseError, check_url
-    from pdlab.diagnose.plan import PlanError, build_plan, render
-    from pdlab.measure.records import RunDirError, default_run_path
 
     show = _show(json_)
     try:
@@ -124,6 +122,7 @@ def online(opts: Any, out: Optional[str], html: Optional[str], dry_run: bool, js
     path = out or default_run_path("diagnose")
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
         return _error(f"--out {path}: exists and is not an empty directory")
+    # deferred: aiohttp, numpy
     from pdlab.diagnose.session import measure
 
     try:
@@ -144,11 +143,10 @@ def online(opts: Any, out: Optional[str], html: Optional[str], dry_run: bool, js
 
 
 def _write_online(m: Any, path: str, html: Optional[str], json_: bool, server: Any, show: Any) -> int:
+    # deferred: aiohttp, numpy
     from pdlab.diagnose.analysis import analyse, with_agreement
     from pdlab.diagnose.output import client_env, describe, online_summary, write_results
-    from pdlab.diagnose.plan import render
     from pdlab.diagnose.streams import group_records
-    from pdlab.measure.records import RunDir, dumps
 
     rd = RunDir(path)
     rd.write_env({**client_env(), "diagnose": m.target.to_dict()})
@@ -189,11 +187,10 @@ def _offline_target(run: Any) -> Optional[float]:
 
 def offline(run_dir: str, itl_ms: Optional[float], out: Optional[str], html: Optional[str], json_: bool,
             steps_from: Optional[str]) -> int:
+    # deferred: aiohttp, numpy
     from pdlab.diagnose.analysis import analyse, with_agreement
     from pdlab.diagnose.output import describe, offline_summary, write_results
-    from pdlab.diagnose.plan import Options
     from pdlab.diagnose.streams import group_records
-    from pdlab.measure.records import RunDirError, dumps, load_run
 
     show = _show(json_)
     try:

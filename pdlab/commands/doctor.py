@@ -15,11 +15,12 @@ import sys
 from typing import Any, Optional
 
 from pdlab.constants import JOIN_TIMEOUT_S, SHM_DIR
+from pdlab.engine.model import PRESETS
+from pdlab.measure.records import cpu_model
+from pdlab.serve.curve import ClusterKeys, KeysError
 
 
 def cpu_info() -> dict:
-    from pdlab.measure.records import cpu_model
-
     model = cpu_model() or ""
     mem = {}
     try:
@@ -43,11 +44,11 @@ def cpu_info() -> dict:
 def kernel_info(preset: str = "cpu-demo") -> dict:
     """The CPU kernels' build, and what a one-core worker of `preset` would choose here (timed as a worker
     times them, on one torch thread; the verdict is cached, so a run's workers then read it)."""
+    # deferred: torch
     import torch
 
     from pdlab.engine import cpu_kernel
     from pdlab.engine.kernel_check import Shape, choose
-    from pdlab.engine.model import PRESETS
 
     p = PRESETS[preset]
     shape = Shape(p.heads, p.kv_heads, p.head_dim or p.hidden_size // p.heads, p.hidden_size, p.intermediate_size)
@@ -63,6 +64,7 @@ def kernel_info(preset: str = "cpu-demo") -> dict:
 def gpu_info() -> dict:
     """GPUs through NVML, with the peer-access matrix (P2P read) and NVLink links per GPU."""
     try:
+        # deferred: pynvml
         import pynvml
 
         pynvml.nvmlInit()
@@ -108,6 +110,7 @@ def main(json_: bool = False, probe_mb: float = 0.0, peer: Optional[str] = None,
          insecure: bool = False, ucx_tls: str = "auto", wait_s: float = JOIN_TIMEOUT_S) -> int:
     if peer is not None:
         return peer_main(peer, keys, insecure, ucx_tls, wait_s, json_)
+    # deferred: torch
     import torch
 
     from pdlab.kv.probe import kv_shape, probe_all, shape_for_mb
@@ -133,6 +136,7 @@ def main(json_: bool = False, probe_mb: float = 0.0, peer: Optional[str] = None,
 
 
 def _print(r: dict) -> None:
+    # deferred: rich
     from rich.console import Console
     from rich.table import Table
 
@@ -176,10 +180,10 @@ def _print(r: dict) -> None:
 
 
 def peer_main(peer: str, keys: Optional[str], insecure: bool, ucx_tls: str, wait_s: float, json_: bool) -> int:
+    # deferred: numpy, torch
     from pdlab.recipe import RecipeError
     from pdlab.recipe.nixl import INSTALL_HINT, nixl_module
     from pdlab.recipe.nodes import ControlSpec
-    from pdlab.serve.curve import ClusterKeys, KeysError
     from pdlab.serve.peer_doctor import PeerError, probe_peer
 
     def err(msg: str) -> int:
@@ -208,6 +212,7 @@ def peer_main(peer: str, keys: Optional[str], insecure: bool, ucx_tls: str, wait
     if json_:
         print(json.dumps(report, indent=2))
         return 0
+    # deferred: rich
     from rich.console import Console
     from rich.table import Table
 

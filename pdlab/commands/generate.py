@@ -7,6 +7,7 @@ import time
 
 
 def main(model: str, prompts: int, prompt_len: int, max_tokens: int, device: str, seed: int) -> int:
+    # deferred: torch
     import torch
 
     from pdlab.engine import Engine, EngineConfig, ModelLoadError, RequestError, SamplingParams, load_model

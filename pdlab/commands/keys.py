@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import sys
 
+from pdlab.serve.curve import KeysError, init_keys
+
 
 def init_main(directory: str) -> int:
-    from pdlab.serve.curve import KeysError, init_keys
-
     try:
         files = init_keys(directory)
     except (KeysError, OSError) as e:

@@ -4,10 +4,18 @@ DIR/planned.yaml the recipe of the validated candidates, DIR/run their run."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
 from typing import Optional
+
+import yaml
+
+from pdlab.commands.run import main as run_main
+from pdlab.engine.model import ModelLoadError
+from pdlab.measure.confidence import Estimate, format_estimate
+from pdlab.measure.records import atomic_write, dumps, load_run
 
 
 def _err(msg: str) -> int:
@@ -17,10 +25,7 @@ def _err(msg: str) -> int:
 
 def main(recipe_path: str, sets: list[str], devices: int, modes: str, validate: int, out: Optional[str],
          json_: bool) -> int:
-    import yaml
-
-    from pdlab.engine.model import ModelLoadError
-    from pdlab.measure.records import atomic_write, dumps
+    # deferred: numpy, torch
     from pdlab.recipe import RecipeError, dump_recipe, load_recipe, parse_recipe
     from pdlab.sim.plan import plan, relative_error
     from pdlab.workload import WorkloadError, build_workload
@@ -59,10 +64,6 @@ def main(recipe_path: str, sets: list[str], devices: int, modes: str, validate: 
         planned = os.path.join(path, "planned.yaml")
         with open(planned, "w") as f:
             f.write(dump_recipe(parse_recipe(raw)))
-        from pdlab.commands.run import main as run_main
-        from pdlab.measure.records import load_run
-
-        import contextlib
 
         with contextlib.redirect_stdout(sys.stderr if json_ else sys.stdout):  # --json: stdout is the JSON
             code = run_main(planned, [], os.path.join(path, "run"), None)
@@ -89,6 +90,7 @@ def profile_check(summary: dict, name: str, variant: object) -> dict:
     kind's MAPE of the validation run's own steps against it (pdlab.timing.check: timed workers keeping the
     model), and `fit_mape_pct`, the profile's held-out MAPE against the hardware it was measured on (a
     measured profile's `fit`)."""
+    # deferred: torch
     from pdlab.timing.check import worst_mape
 
     c = ((summary.get("profile_check") or {}).get("variants") or {}).get(name)
@@ -110,10 +112,9 @@ def _check_cell(c: Optional[dict]) -> str:
 
 
 def render(result: dict) -> None:
+    # deferred: rich
     from rich.console import Console
     from rich.table import Table
-
-    from pdlab.measure.confidence import Estimate, format_estimate
 
     console = Console(width=None if sys.stdout.isatty() else 100)
     console.print(f"[bold]MODELLED[/bold] {result['modelled']}: goodput predicted in virtual time, "

@@ -12,6 +12,8 @@ import sys
 from typing import Optional
 
 from pdlab.commands.compare import PARTIAL_EXIT
+from pdlab.measure.records import RunDirError, atomic_write
+from pdlab.report.plot_style import pyplot
 
 
 def _error(msg: str) -> int:
@@ -20,7 +22,7 @@ def _error(msg: str) -> int:
 
 
 def main(runs: list[str], html: str, baseline: Optional[str] = None, rate: Optional[float] = None) -> int:
-    from pdlab.measure.records import RunDirError, atomic_write
+    # deferred: numpy
     from pdlab.report.compare import compare
     from pdlab.report.html import figure_png, render_html
     from pdlab.report.load import load
@@ -36,10 +38,10 @@ def main(runs: list[str], html: str, baseline: Optional[str] = None, rate: Optio
     except (RunDirError, ValueError, KeyError, TypeError) as e:
         return _error(str(e) if isinstance(e, (RunDirError, ValueError)) else f"unexpected summary format ({e})")
     plots = []
-    from pdlab.report.plot_style import pyplot
 
     plt = pyplot()
     if plt is not None:
+        # deferred: numpy
         from pdlab.report.plots import attainment_figure, run_figures
 
         for lr in loaded:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
 from typing import Optional
+
+from pdlab.engine.model import ModelLoadError
+from pdlab.measure.records import RunDir, collect_env, default_run_path, load_run
 
 
 def _err(msg: str) -> int:
@@ -16,6 +20,7 @@ def _err(msg: str) -> int:
 def place_main_process(recipe: object) -> tuple[list[int], list[str]]:
     """Keep the main process (router, harness) off the workers' cores when the machine has spare ones.
     Returns its cores and the warnings to record."""
+    # deferred: numpy
     from pdlab.harness import worker_cores
     from pdlab.serve.topology import cpu_cores
 
@@ -34,10 +39,9 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
          simulate: Optional[bool] = None) -> int:
     """`simulate`: run every variant in virtual time (pdlab.sim) instead of on worker processes; every
     variant needs a modelled timing. None: as the recipe's `simulate` key says."""
-    from pdlab.engine.model import ModelLoadError
+    # deferred: numpy
     from pdlab.harness import Harness, RunAborted, check_machine
     from pdlab.measure.finish import finalize
-    from pdlab.measure.records import RunDir, collect_env, default_run_path
     from pdlab.recipe import RecipeError, load_recipe
     from pdlab.report.live import LiveView
     from pdlab.serve.topology import ClusterError
@@ -110,7 +114,6 @@ def main(recipe_path: str, sets: list[str], out: Optional[str], variants: Option
 
 def _print_profile_check(path: str) -> None:
     """The run's last lines: its steps against the profile its recipe names (summary.json's profile_check)."""
-    import json
 
     try:
         with open(os.path.join(path, "summary.json")) as f:
@@ -122,7 +125,7 @@ def _print_profile_check(path: str) -> None:
 
 
 def _print_table(path: str) -> None:
-    from pdlab.measure.records import load_run
+    # deferred: numpy
     from pdlab.report.compare import compare, render
 
     try:
@@ -133,8 +136,8 @@ def _print_table(path: str) -> None:
 
 def _simulate(recipe: object, workloads: dict, path: str) -> int:
     """The recipe in virtual time: the same run directory, every figure labelled simulated."""
+    # deferred: numpy, torch
     from pdlab.measure.finish import finalize
-    from pdlab.measure.records import RunDir, collect_env
     from pdlab.sim.experiment import simulate_recipe
 
     rd = RunDir(path)

@@ -9,6 +9,13 @@ import sys
 from dataclasses import replace
 from typing import Any, Optional
 
+from pdlab.api.model import load_served_model
+from pdlab.commands.run import place_main_process
+from pdlab.constants import API_KEY_ENV, SERVE_BACKENDS
+from pdlab.engine.model import ModelLoadError
+from pdlab.measure.records import RunDir, collect_env, default_run_path
+from pdlab.measure.transports import TransportPaths
+
 
 def _err(msg: str) -> int:
     print(f"pdlab serve: error: {msg}", file=sys.stderr)
@@ -42,9 +49,11 @@ def scrub_argv(argv: list[str]) -> list[str]:
 def make_cluster(v: Any, rd: Any) -> Any:
     """The variant's deployment, as the harness builds it (pdlab.harness.Harness.cluster)."""
     if v.backend.external:
+        # deferred: aiohttp, numpy
         from pdlab.external.cluster import ExternalCluster
 
         return ExternalCluster(v, v.deployment, label=v.name, log_dir=rd.file("servers"))
+    # deferred: torch
     from pdlab.serve.cluster import Cluster
 
     return Cluster(v.model, v.engine, v.deployment, seed=v.seed)
@@ -61,17 +70,12 @@ def main(recipe_path: str, variant: str, host: str, port: int, sets: list[str], 
 
 def _main(recipe_path: str, variant: str, host: str, port: int, sets: list[str], out: Optional[str],
           api_key: Optional[str], served_model_name: Optional[str], drain: bool, shutdown_timeout_s: float) -> int:
+    # deferred: aiohttp, numpy, prometheus_client
     from pdlab.api.ledger import Ledger
     from pdlab.api.metrics import ServeMetrics
-    from pdlab.api.model import load_served_model
     from pdlab.api.serving import BindError, ServeOptions, bind, host_warning, serve, url_of
-    from pdlab.commands.run import place_main_process
-    from pdlab.constants import API_KEY_ENV, SERVE_BACKENDS
-    from pdlab.engine.model import ModelLoadError
     from pdlab.external import check_variant
     from pdlab.harness import check_model
-    from pdlab.measure.records import RunDir, collect_env, default_run_path
-    from pdlab.measure.transports import TransportPaths
     from pdlab.recipe import RecipeError, load_recipe
     from pdlab.serve.topology import ClusterError, place
 

@@ -7,6 +7,9 @@ import os
 import sys
 from typing import Optional
 
+from pdlab.constants import TRACE_FORMATS
+from pdlab.measure.records import dumps
+
 PLOT_DIR = os.path.join("runs", "traces")  # where the plot goes unless --plot names a file
 
 
@@ -17,8 +20,7 @@ def _err(msg: str) -> int:
 
 def stats_main(path: str, fmt: Optional[str], bin_s: Optional[float], plot: Optional[str], no_plot: bool,
                json_: bool) -> int:
-    from pdlab.constants import TRACE_FORMATS
-    from pdlab.measure.records import dumps
+    # deferred: numpy
     from pdlab.traces import TraceError, read_trace, sniff_format
     from pdlab.traces.stats import describe, plot_stats, trace_stats
 
@@ -49,6 +51,7 @@ def stats_main(path: str, fmt: Optional[str], bin_s: Optional[float], plot: Opti
     if json_:
         print(dumps({**stats.to_dict(), "plot": out}, indent=2))
         return 0
+    # deferred: rich
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table

@@ -6,6 +6,10 @@ import socket
 import sys
 from typing import Optional
 
+from pdlab.devices import Device, check_node_name, format_devices, parse_devices
+from pdlab.serve.agent import Agent
+from pdlab.serve.curve import ClusterKeys, KeysError
+
 
 def _err(msg: str) -> int:
     print(f"pdlab worker: error: {msg}", file=sys.stderr)
@@ -14,10 +18,9 @@ def _err(msg: str) -> int:
 
 def main(join: str, devices: list[str], name: Optional[str], keys: Optional[str], insecure: bool,
          once: bool) -> int:
-    from pdlab.devices import Device, check_node_name, format_devices, parse_devices
+    # deferred: numpy
     from pdlab.recipe.nodes import ControlSpec
     from pdlab.recipe import RecipeError
-    from pdlab.serve.curve import ClusterKeys, KeysError
     from pdlab.serve.topology import cpu_cores, gpu_ids
 
     # Everything that can be wrong is found here, before anything connects.
@@ -54,7 +57,7 @@ def main(join: str, devices: list[str], name: Optional[str], keys: Optional[str]
     else:
         print("pdlab worker: warning: --insecure: plain TCP; anyone who can reach the router can read what its "
               "workers are sent", file=sys.stderr)
-    from pdlab.serve.agent import Agent
+    # deferred: torch
     from pdlab.serve.cluster import stop_resource_tracker
 
     try:

@@ -13,6 +13,10 @@ import time
 from dataclasses import asdict
 from typing import Optional
 
+import aiohttp
+import numpy
+
+import pdlab
 from pdlab.diagnose.analysis import Analysis
 from pdlab.diagnose.html import render_html
 from pdlab.diagnose.plots import figures, save
@@ -25,10 +29,6 @@ SCHEMA = 1
 def client_env() -> dict:
     """env.json of a diagnosis: the client's machine and versions (a run's collect_env imports torch and probes
     GPUs, seconds a client that only talks HTTP should not wait; the server's facts are its own)."""
-    import aiohttp
-    import numpy
-
-    import pdlab
 
     return {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "python": sys.version.split()[0],
             "platform": platform.platform(), "host": socket.gethostname(), "cpu_count": os.cpu_count(),

@@ -24,9 +24,10 @@ COLORS = {"steady": "tab:blue", "stall": "tab:red", "probe": "tab:orange", "mixe
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend; None (with a note) when it is not installed."""
     try:
-        import matplotlib  # deferred: optional, and heavy
+        import matplotlib  # deferred: matplotlib (optional; heavy)
 
         matplotlib.use("Agg")
+        # deferred: matplotlib (optional)
         import matplotlib.pyplot as plt
 
         return plt
@@ -111,7 +112,7 @@ def figures(a: Analysis, suffix: str = "") -> list[tuple[str, Any]]:
 
 
 def close(fig: Any) -> None:
-    import matplotlib.pyplot as plt  # deferred: only once a figure exists
+    import matplotlib.pyplot as plt  # deferred: matplotlib (optional; only once a figure exists)
 
     plt.close(fig)
 

@@ -13,7 +13,9 @@ from typing import Callable, Optional
 
 from pdlab.constants import ENDPOINT_PROBE_TIMEOUT_S
 from pdlab.diagnose.connect import EndpointSpec, Target, connect
+from pdlab.diagnose.phases import Runner
 from pdlab.diagnose.plan import Options, Plan, build_plan, render
+from pdlab.external.loop import ClientLoop
 
 STOP_WAIT_S = 15.0  # Ctrl-C: how long the streams may take to be cut and their records settled
 INTERRUPTED = "interrupted (Ctrl-C): nothing was sent after it"
@@ -35,8 +37,6 @@ class Measured:
 def measure(opts: Options, show: Callable[[str], None]) -> Measured:
     """Raises DiagnoseError (connect) or PlanError (the server's limit leaves no probe) before anything is
     measured; KeyboardInterrupt only while connecting."""
-    from pdlab.diagnose.phases import Runner
-    from pdlab.external.loop import ClientLoop
 
     loop = ClientLoop("diagnose", opts.caps.duration_s)
     loop.start()

@@ -25,6 +25,7 @@ layer has written its KV during a step (push-mode transfers); `eng.step_requests
 requests the current step is running.
 """
 
+import importlib
 from typing import Any
 
 # Names resolve on first use (PEP 562), so that importing pdlab.engine.config or .model does not pull in
@@ -41,6 +42,5 @@ __all__ = list(_WHERE)
 def __getattr__(name: str) -> Any:
     if name not in _WHERE:
         raise AttributeError(f"module 'pdlab.engine' has no attribute {name!r}")
-    import importlib
 
     return getattr(importlib.import_module(f"pdlab.engine.{_WHERE[name]}"), name)

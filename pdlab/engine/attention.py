@@ -191,6 +191,7 @@ def register() -> None:
     The name is deliberately absent from transformers' mask registry, so the model builds no
     attention mask: masking is ours, per request.
     """
+    # deferred: transformers
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_NAME, paged_attention)

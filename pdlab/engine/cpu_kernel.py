@@ -34,6 +34,7 @@ from typing import Any, Optional
 import torch
 
 from pdlab.constants import CPU_KERNEL_ENV, CPU_KERNEL_MODES, CPU_KERNELS, KERNEL_MARCH_ENV, cdiv
+from pdlab.engine.blocks import padded_tables
 from pdlab.engine.kernel_build import BuildError, build, process_march
 
 MAX_GROUP, MAX_DIM = 32, 256  # the decode kernel's limits (query heads per K/V head, head_dim), as in the source
@@ -226,8 +227,6 @@ class DecodeBatch:
     """One step's decode requests as the kernel reads them: rows, block tables and context lengths (int32)."""
 
     def __init__(self, rows: list[int], tables: list[list[int]], lens: list[int]):
-        from pdlab.engine.blocks import padded_tables
-
         flat, width = padded_tables(tables)
         self.rows = torch.tensor(rows, dtype=torch.int32)
         self.tables = torch.tensor(flat, dtype=torch.int32)

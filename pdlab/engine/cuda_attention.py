@@ -32,6 +32,7 @@ from pdlab.constants import FLASH_PAGE_MULTIPLE
 def flash_module() -> Any:
     """flash_attn if it is installed and imports (it needs a CUDA build); None otherwise."""
     try:
+        # deferred: flash_attn (optional)
         import flash_attn  # noqa: F401
         from flash_attn import flash_attn_varlen_func  # noqa: F401
 

@@ -14,6 +14,7 @@ from pdlab.engine.blocks import BlockManager
 from pdlab.engine.config import EngineConfig, RequestError, SamplingParams
 from pdlab.engine.host_malloc import tune_malloc
 from pdlab.engine.model import model_dims
+from pdlab.engine.pool_size import gpu_kv_budget, weight_bytes
 from pdlab.engine.runner import ModelRunner
 from pdlab.engine.sampler import make_generator, sample
 from pdlab.engine.scheduler import Scheduler
@@ -133,8 +134,6 @@ class Engine:
         if modelled_gb:  # a timed engine sizes its pool as the modelled device would
             cap = int(modelled_gb * 1e9 * self.config.kv_memory_fraction)
         elif self.device.type == "cuda":
-            from pdlab.engine.pool_size import gpu_kv_budget, weight_bytes
-
             free, total = torch.cuda.mem_get_info(self.device)
             cap = gpu_kv_budget(free, total, self.config.kv_memory_fraction, self.memory_share,
                                 weight_bytes(self.model))

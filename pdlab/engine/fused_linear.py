@@ -24,6 +24,8 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from pdlab.engine import cpu_kernel
+
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
@@ -118,7 +120,6 @@ def _is_swiglu(mlp: Any) -> bool:
 def _swiglu_forward(mlp: Any, group: FusedGroup) -> Any:
     """The MLP as down(silu(gate) * up) with the fused gate/up GEMM and pdlab.engine.cpu_kernel's one-pass
     activation; transformers' own forward where either does not apply (weights replaced, no kernel)."""
-    from pdlab.engine import cpu_kernel
 
     original = type(mlp).forward
 

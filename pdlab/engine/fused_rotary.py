@@ -20,6 +20,7 @@ _WRAPPED = "_pdlab_rotary"
 def fuse_rotary(model: Any) -> int:
     """Wrap `apply_rotary_pos_emb` in the modeling modules of `model`'s attention layers; returns how many
     modules were wrapped now (0 when already wrapped or not applicable)."""
+    # deferred: torch
     from pdlab.engine import cpu_kernel
 
     if cpu_kernel.load() is None:
@@ -38,6 +39,7 @@ def fuse_rotary(model: Any) -> int:
 
 
 def _wrap(original: Any) -> Any:
+    # deferred: torch
     from pdlab.engine import attention, cpu_kernel
 
     def apply_rotary_pos_emb(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int = 1, *args: Any,

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from pdlab.constants import DTYPES
+from pdlab.engine.fused_rotary import fuse_rotary
 
 
 class ModelLoadError(ValueError):
@@ -69,15 +70,18 @@ def preset_config(name: str) -> Any:
     )
     head_dim = p.head_dim or p.hidden_size // p.heads
     if p.arch == "llama":
+        # deferred: transformers
         from transformers import LlamaConfig
 
         return LlamaConfig(**common, **({"head_dim": head_dim} if p.head_dim else {}))
+    # deferred: transformers
     from transformers import Qwen3Config
 
     return Qwen3Config(head_dim=head_dim, **common)
 
 
 def _torch_dtype(dtype: str) -> Any:
+    # deferred: torch
     import torch
 
     key = DTYPES.get(str(dtype).lower())
@@ -93,11 +97,11 @@ def load_model(spec: Any, dtype: str = "float32", device: str = "cpu", seed: int
     ModelSpec, or a dict of its fields ``{preset: NAME}`` / ``{path: DIR, dtype: ..., device: ...}``.
     Nothing is downloaded.
     """
+    # deferred: torch
     import torch
 
     from pdlab.engine.attention import ATTN_NAME, register
     from pdlab.engine.fused_norm import fuse_rms_norms
-    from pdlab.engine.fused_rotary import fuse_rotary
 
     if not isinstance(spec, str):
         # a recipe's model section may carry device/dtype: None ("the worker's default"): keep ours then
@@ -111,6 +115,7 @@ def load_model(spec: Any, dtype: str = "float32", device: str = "cpu", seed: int
     register()
     tdtype = _torch_dtype(dtype)
     if spec in PRESETS:
+        # deferred: transformers
         from transformers import AutoModelForCausalLM
 
         cfg = preset_config(spec)
@@ -155,6 +160,7 @@ def _source(spec: Any) -> str:
 
 def _disk_config(path: str) -> Any:
     """The config of a model on disk (a directory or the local HF cache), with one-line errors."""
+    # deferred: transformers
     from transformers import AutoConfig
 
     path = os.path.expanduser(path)
@@ -175,6 +181,7 @@ def _disk_config(path: str) -> Any:
 
 
 def _from_disk(path: str, tdtype: Any) -> Any:
+    # deferred: transformers
     from transformers import AutoModelForCausalLM
 
     _disk_config(path)
@@ -224,6 +231,7 @@ def load_tokenizer(spec: Any) -> Any:
     if path in PRESETS:
         return None
     try:
+        # deferred: transformers
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(os.path.expanduser(path), local_files_only=True)
@@ -236,6 +244,7 @@ class ModelStandIn:
     run of a GPU-scale model neither loads nor computes it."""
 
     def __init__(self, config: Any, dtype: Any, device: Any):
+        # deferred: torch
         import torch
 
         self.config = config
@@ -253,6 +262,7 @@ def load_stand_in(spec: Any, dtype: str = "float32", device: str = "cpu") -> Mod
         device = _field(spec, "device") or device
     tdtype = _torch_dtype(dtype)
     if tdtype == "auto":
+        # deferred: torch
         import torch
 
         tdtype = torch.bfloat16 if str(device).startswith("cuda") else torch.float32

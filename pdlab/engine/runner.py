@@ -17,6 +17,8 @@ from pdlab.constants import cdiv
 from pdlab.engine import cuda_attention as ca
 from pdlab.engine.attention import AttnContext, PrefillSegment, set_context
 from pdlab.engine.blocks import padded_tables
+from pdlab.engine.cpu_kernel import DecodeBatch
+from pdlab.engine.fused_linear import fuse_projections
 from pdlab.engine.kernel_check import Shape, choose
 from pdlab.engine.sequence import Sequence
 
@@ -68,8 +70,6 @@ class ModelRunner:
         self.cpu_kernel = self.cpu_prefill = False
         self.kernels: dict[str, Any] = {}  # kernel -> kernel_check.Choice (its worker's Ready message reports them)
         if self.device.type == "cpu":
-            from pdlab.engine.fused_linear import fuse_projections
-
             fuse_projections(model)  # here, not at load: after any tensor-parallel sharding
         self.kernels = choose(kernel_shape(model, kv), kv.dtype, self.device.type)
         self.cpu_kernel = self.kernels["decode_attention"].use
@@ -139,8 +139,6 @@ class ModelRunner:
                           decode_views=views, layer_hook=self.layer_hook, expand_kv=self.kernel == "sdpa-expanded",
                           prefill_kernel=self.cpu_prefill)
         if kernel_rows:
-            from pdlab.engine.cpu_kernel import DecodeBatch
-
             ctx.decode_batch = DecodeBatch(kernel_rows, kernel_tables, kernel_lens)
         if decode_rows:
             flat, width = padded_tables(decode_tables)

@@ -30,6 +30,7 @@ from typing import Any
 
 import msgpack
 import torch
+import torch.distributed as dist
 
 from pdlab.engine.tp_plan import Dims, check_plan, layer_plan, parts_of, shard_heads
 
@@ -56,7 +57,6 @@ def _keep_out(linear: torch.nn.Linear, parts: list[slice]) -> None:
 
 def _keep_in(linear: torch.nn.Linear, parts: list[slice], rank: int, group: Any, fast: Any = None) -> None:
     """Keep input features `parts` (row parallel) and sum the ranks' outputs; the bias is added once."""
-    import torch.distributed as dist
 
     idx = _index(parts).to(linear.weight.device)
     linear.weight = torch.nn.Parameter(linear.weight.data.index_select(1, idx).contiguous(), requires_grad=False)
@@ -160,20 +160,14 @@ class StepChannel:
         self.group = group
 
     def send(self, op: int, payload: bytes = b"") -> None:
-        import torch.distributed as dist
-
         dist.broadcast(torch.tensor([op, len(payload)], dtype=torch.int64), src=0, group=self.group)
         if payload:
             dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.group)
 
     def barrier(self) -> None:
-        import torch.distributed as dist
-
         dist.barrier(group=self.group)
 
     def recv(self) -> tuple[int, bytes]:
-        import torch.distributed as dist
-
         head = torch.empty(2, dtype=torch.int64)
         dist.broadcast(head, src=0, group=self.group)
         op, n = int(head[0]), int(head[1])

@@ -10,6 +10,8 @@ from typing import Any, Optional
 
 import torch
 
+from pdlab.engine.model import model_config
+
 
 class TpPlanError(ValueError):
     """A model pdlab cannot shard: no tensor-parallel plan, or one it cannot honour; names the model type."""
@@ -147,9 +149,8 @@ def check_plan(model: Any, tp: int) -> None:
 def check_spec(spec: Any, tp: int) -> None:
     """`check_plan` for a model spec (preset or directory) before any worker starts: the model is built on the
     meta device from its config, so no weights are read."""
+    # deferred: transformers
     from transformers import AutoModelForCausalLM
-
-    from pdlab.engine.model import model_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_config(spec))

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+from torch.multiprocessing import reductions
 
 from pdlab.kv.transfer import Transport
 
@@ -50,9 +51,7 @@ class CudaIpcTransport(Transport):
         return {**head, "per_peer": {p: self._handle() for p in self.peers}}
 
     def _handle(self) -> dict:
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        _, a = reduce_tensor(self.pool)  # a fresh IPC sent-data (own ref-count slot) on every call
+        _, a = reductions.reduce_tensor(self.pool)  # a fresh IPC sent-data (own ref-count slot) on every call
         # a: cls, size, stride, offset, storage_cls, dtype, device, handle, storage_size, storage_offset,
         #    requires_grad, ref_counter_handle, ref_counter_offset, event_handle, event_sync_required
         return {
@@ -64,13 +63,11 @@ class CudaIpcTransport(Transport):
         }
 
     def _open(self, h: dict) -> torch.Tensor:
-        from torch.multiprocessing.reductions import rebuild_cuda_tensor
-
         h = own_handle(h, self.worker)
         if h["gpu"] not in self.visible and self.visible:
             raise RuntimeError(f"{self.worker}: GPU {h['gpu']} of {h['name']} is not visible here ({self.visible})")
         local = self.visible.index(h["gpu"]) if self.visible else int(h["gpu"])
-        return rebuild_cuda_tensor(
+        return reductions.rebuild_cuda_tensor(
             torch.Tensor, torch.Size(h["size"]), tuple(h["stride"]), h["offset"], torch.UntypedStorage,
             getattr(torch, h["dtype"]), local, h["handle"], h["storage_size"], h["storage_offset"], False,
             h["ref_handle"], h["ref_offset"], h["event_handle"], h["event_sync"],

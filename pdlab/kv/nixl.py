@@ -30,6 +30,8 @@ were not run (no GPU on the box this was built on).
 
 from __future__ import annotations
 
+import importlib
+import logging
 import os
 import socket
 import time
@@ -48,13 +50,11 @@ from pdlab.recipe.nixl import INSTALL_HINT, nixl_module, resolve_ucx_tls
 
 def load_api() -> Any:
     """NIXL's python API module (nixl_agent, nixl_agent_config, ...); ImportError with the install hint."""
-    import importlib
 
     name = nixl_module()
     if name is None:
         raise ImportError(f"NIXL is not installed: {INSTALL_HINT}")
     api = importlib.import_module(f"{name}._api")
-    import logging
 
     if not os.environ.get("NIXL_LOG_LEVEL"):  # its INFO lines go to stdout, the run's own output
         logging.getLogger("nixl").setLevel(logging.WARNING)

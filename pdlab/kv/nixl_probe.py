@@ -16,7 +16,9 @@ from typing import Iterator
 
 import torch
 
+from pdlab.kv.nixl import NixlTransport
 from pdlab.kv.probe_result import ProbeResult, best_of
+from pdlab.kv.ucx_log import rma_over_tcp
 from pdlab.recipe.nixl import INSTALL_HINT, nixl_module, rdma_devices
 
 
@@ -24,7 +26,6 @@ from pdlab.recipe.nixl import INSTALL_HINT, nixl_module, rdma_devices
 def nixl_pair(shape: tuple[int, ...], dst_blocks: int, ucx_tls: str = "auto",
               dtype: torch.dtype = torch.float32, device: str = "cpu") -> Iterator[tuple]:
     """(prefill side, decode side, prefill pool as the decode side sees it, decode pool as the prefill side sees it)."""
-    from pdlab.kv.nixl import NixlTransport
 
     tag = secrets.token_hex(3)
     a = NixlTransport("prefill", f"pdlab-probe-{tag}-prefill", ucx_tls=ucx_tls, device=device)
@@ -40,7 +41,6 @@ def nixl_pair(shape: tuple[int, ...], dst_blocks: int, ucx_tls: str = "auto",
 
 def path_warning(lanes: str, same_host: bool = True) -> str:
     """'FALLBACK: ...' when the data lanes are TCP although something faster is there; '' otherwise."""
-    from pdlab.kv.ucx_log import rma_over_tcp
 
     if not rma_over_tcp(lanes):
         return ""

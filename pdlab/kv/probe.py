@@ -16,15 +16,16 @@ from typing import Callable
 import torch
 
 from pdlab.constants import cdiv
+from pdlab.engine.model import PRESETS
 from pdlab.kv import shm
 from pdlab.kv.copy import copy_blocks
+from pdlab.kv.host import pin
 from pdlab.kv.nixl_probe import probe_nixl
 from pdlab.kv.probe_result import ProbeResult, best_of
 
 
 def kv_shape(preset: str = "cpu-demo", tokens: int = 2048, block_size: int = 16) -> tuple[int, ...]:
     """Pool shape [layers, 2, blocks, block_size, kv_heads, head_dim] holding `tokens` of a preset."""
-    from pdlab.engine.model import PRESETS
 
     p = PRESETS[preset]
     return (p.layers, 2, cdiv(tokens, block_size), block_size, p.kv_heads, p.hidden_size // p.heads)
@@ -89,8 +90,6 @@ def probe_cuda(shape: tuple[int, ...], repeats: int = 20, scattered: bool = Fals
 
 def _probe_host(src: torch.Tensor, dst_shape: tuple[int, ...], dtype: torch.dtype, scattered: bool,
                 repeats: int) -> ProbeResult:
-    from pdlab.kv.host import pin
-
     mirror = shm.create(dst_shape, dtype, tag="probe-host")
     try:
         try:

@@ -74,8 +74,6 @@ class Transport:
         key = handle["name"]
         if key not in self._peers:
             if handle.get("kind") == "sharded":
-                from pdlab.kv.sharded import ShardedPool
-
                 self._peers[key] = ShardedPool([self.open(h) for h in handle["shards"]], handle["kv_heads"])
             else:
                 self._peers[key] = self._open(handle)

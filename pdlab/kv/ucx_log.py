@@ -11,6 +11,7 @@ keeps UCX's warnings off the run's own output), and it is removed at exit.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import os
 import re
 import shutil
@@ -66,8 +67,6 @@ def rma_over_tcp(lanes: Optional[str]) -> bool:
 
 def _flush_stdio() -> None:
     try:
-        import ctypes
-
         ctypes.CDLL(None).fflush(None)
     except Exception:  # noqa: BLE001 - not glibc: the lanes show once UCX flushes on its own
         pass

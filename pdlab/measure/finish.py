@@ -11,6 +11,7 @@ from pdlab.measure.records import RunDir, load_run
 from pdlab.measure.summary import run_info, summarize_run
 from pdlab.measure.trace import build_trace
 from pdlab.recipe.slo import SLO
+from pdlab.report.plots import write_plots
 
 
 def finalize(rd: RunDir, slo: SLO, grid: Optional[dict[str, Any]] = None, partial: bool = False,
@@ -30,8 +31,6 @@ def finalize(rd: RunDir, slo: SLO, grid: Optional[dict[str, Any]] = None, partia
     rd.write_trace(build_trace(run.requests, run.steps, run.transfers))
     if plots:
         try:
-            from pdlab.report.plots import write_plots
-
             run.summary = summary
             write_plots(rd.path, run)
         except Exception as e:  # noqa: BLE001 - plots are a convenience; the measurements are already saved

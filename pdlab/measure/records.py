@@ -216,6 +216,7 @@ def collect_env() -> dict:
             env[f"{mod}_version"] = None
     env["cuda"] = _cuda_devices()
     try:
+        # deferred: torch
         from pdlab.engine.cuda_attention import env_summary
 
         env["attention"] = env_summary()  # which attention kernel a worker of each kind runs
@@ -255,6 +256,7 @@ def _mem_total() -> Optional[int]:
 
 def _cuda_devices() -> list[dict]:
     try:
+        # deferred: torch
         import torch
 
         if not torch.cuda.is_available():

@@ -21,6 +21,7 @@ def _name_step(s: dict) -> str:
 
 
 def _rate_text(rate: Any) -> str:
+    # deferred: numpy
     from pdlab.measure.metrics import as_rate
     from pdlab.workload import rate_tag
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from pdlab.kv.ucx_log import rma_over_tcp
+
 
 class TransportPaths:
     def __init__(self, rd: Any, view: Any):
@@ -43,8 +45,6 @@ class TransportPaths:
                 self.view.update_worker(w, transport=path)
         self.view.note(f"{self.variant}: KV hand-over {record.get('src')} -> {record.get('dst')} via {path}")
         if record.get("transport") == "nixl":
-            from pdlab.kv.ucx_log import rma_over_tcp
-
             if rma_over_tcp(path):
                 self.view.note(f"warning: {self.variant}: NIXL moves KV over TCP ({path}); see pdlab doctor")
 

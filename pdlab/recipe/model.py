@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdlab.constants import DTYPES
+from pdlab.engine.model import PRESETS
 from pdlab.fields import RecipeError, Section, did_you_mean, key_of, optional, spec, to_int, to_str
 from pdlab.recipe.timing import TimingProfile, parse_timing
 
@@ -54,11 +55,7 @@ class ModelSpec(Section):
     def check(self, where: str) -> None:
         if (self.preset is None) == (self.path is None):
             raise RecipeError(f"{where}: give exactly one of preset or path; expected {FORM}")
-        if self.preset is not None:
-            try:  # the engine owns the preset list; its import pulls in torch, so only here
-                from pdlab.engine.model import PRESETS
-            except ImportError:  # engine not importable (partial checkout): leave the name to the loader
-                return
+        if self.preset is not None:  # the engine owns the preset list (pdlab.engine.model loads torch lazily)
             if self.preset not in PRESETS:
                 raise RecipeError(f"{key_of(where, 'preset')}: unknown preset {self.preset!r}"
                                   + (did_you_mean(self.preset, PRESETS) or f"; known: {', '.join(sorted(PRESETS))}"))

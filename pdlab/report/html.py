@@ -60,6 +60,7 @@ def _verdicts(result: dict) -> str:
 
 def figure_png(fig: Any) -> str:
     """A matplotlib Figure as base64 PNG (closed afterwards)."""
+    # deferred: matplotlib (optional)
     import matplotlib.pyplot as plt  # plots are optional; the caller has checked matplotlib is there
 
     buf = io.BytesIO()

@@ -157,6 +157,7 @@ class LiveView:
             print(text, file=self.out, flush=True)
 
     def render(self) -> Any:
+        # deferred: rich
         from rich.console import Group
         from rich.table import Table
 
@@ -183,6 +184,7 @@ class LiveView:
 
     def start(self) -> "LiveView":
         if self.live and self._live is None:
+            # deferred: rich
             from rich.console import Console
             from rich.live import Live
 

@@ -19,9 +19,11 @@ TAG_COLOR = "#b00020"
 def pyplot() -> Any:
     """matplotlib.pyplot on the Agg backend; None (with a note) when matplotlib is not installed."""
     try:
+        # deferred: matplotlib (optional)
         import matplotlib
 
         matplotlib.use("Agg")
+        # deferred: matplotlib (optional)
         import matplotlib.pyplot as plt
 
         return plt
@@ -99,6 +101,7 @@ def plain_log_axis(axis: Any) -> None:
     """A log axis with a few plainly labelled ticks that do not overlap: powers of ten over wide ranges,
     1-2-5 within about a decade, 1-1.5-2-3-5-7 within less, evenly spaced values when even that gives fewer
     than two; minor ticks unlabelled. Call it after the data is drawn (it reads the axis' view limits)."""
+    # deferred: matplotlib (optional)
     from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
 
     lo, hi = sorted(axis.get_view_interval())

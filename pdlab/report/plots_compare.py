@@ -43,6 +43,7 @@ def slo_scale_figure(plt: Any, rescored: dict, result: Any = None) -> Any:
     """Goodput (mean, error bars from the 95% interval) against SLO scale, one line per variant, side by side. A
     point that is only a lower bound is an upward triangle, one below the rates tried a downward triangle, one
     held to the saturation throughput a hollow square."""
+    # deferred: matplotlib (optional)
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     fig, axes = figure(plt, 8.0, 5.0)

@@ -18,6 +18,7 @@ is the one the harness used: the default fraction of the repeat's saturation req
 from __future__ import annotations
 
 import math
+import sys
 from collections import defaultdict
 from typing import Any, Iterable, Optional, Union
 
@@ -194,8 +195,8 @@ def cell(g: dict) -> str:
 
 def render(result: dict, console: Any = None) -> None:
     """The table: one row per variant, one column per scale."""
-    import sys
 
+    # deferred: rich
     from rich import box
     from rich.console import Console
     from rich.markup import escape

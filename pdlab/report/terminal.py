@@ -15,6 +15,7 @@ STYLE = {"partial": "bold red", "box": "bold yellow", "modelled": "bold", "info"
 
 def _wrapped(console: Any, text: str, indent: str = "  ", style: str = "", rest: str = "") -> None:
     """`text` wrapped to the console, its first line after `indent`, the others after `rest` (indent + 2)."""
+    # deferred: rich
     from rich.markup import escape
 
     width = (console.width or WIDTH) - 1
@@ -25,6 +26,7 @@ def _wrapped(console: Any, text: str, indent: str = "  ", style: str = "", rest:
 
 def render(result: dict, console: Any = None) -> None:
     """Print the comparison (pdlab.report.compare.compare's result)."""
+    # deferred: rich
     from rich import box
     from rich.console import Console
     from rich.table import Table

@@ -33,6 +33,7 @@ from pdlab.constants import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, NODE_IDENTITY, REA
 from pdlab.serve import messages as m
 from pdlab.serve import node_messages as nm
 from pdlab.serve.curve import ClusterKeys, connect_as_member
+from pdlab.serve.node_start import start_probe, start_workers
 
 _REFUSALS = {  # the handshake events a refused client sees
     "HANDSHAKE_FAILED_AUTH": "the router does not admit our key (--keys is not this cluster's)",
@@ -56,6 +57,7 @@ class Agent:
 
     # ---- the loop ----
     def run(self) -> int:
+        # deferred: zmq
         import zmq
 
         old = signal.signal(signal.SIGTERM, _raise_exit)
@@ -89,6 +91,7 @@ class Agent:
             signal.signal(signal.SIGTERM, old)
 
     def _loop(self) -> int:
+        # deferred: zmq
         import zmq
 
         poller = zmq.Poller()
@@ -120,6 +123,7 @@ class Agent:
 
     def _watch(self) -> bool:
         """A connection event; True when the agent is done (the router went away mid-session, --once)."""
+        # deferred: zmq
         import zmq
         from zmq.utils.monitor import recv_monitor_message
 
@@ -151,8 +155,6 @@ class Agent:
 
     # ---- a session ----
     def _start(self, msg: Any) -> None:
-        from pdlab.serve.node_start import start_probe, start_workers
-
         self.session, self.run_prefix, self.reported = msg.session, msg.run_prefix, set()
         ctx = mp.get_context("spawn")
         try:
@@ -179,6 +181,7 @@ class Agent:
 
     def _end(self, why: str, graceful: bool, report: bool = True) -> bool:
         """Make sure the session's processes are gone (reaped) and its shared memory swept; True if one ran."""
+        # deferred: torch
         from pdlab.kv import shm
 
         if self.session is None:
@@ -208,6 +211,7 @@ class Agent:
         return True
 
     def _send(self, msg: Any) -> None:
+        # deferred: zmq
         import zmq
 
         try:

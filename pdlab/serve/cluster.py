@@ -29,11 +29,13 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
+from multiprocessing import resource_tracker
 from typing import Any, Optional
 
 from pdlab.constants import HEARTBEAT_TIMEOUT_S, NODE_IDENTITY, READY_TIMEOUT_S, REAP_TIMEOUT_S, STOP_TIMEOUT_S
 from pdlab.engine.config import EngineConfig
 from pdlab.kv import shm
+from pdlab.kv.fingerprint import KvFingerprint, PairingError, check_pair
 from pdlab.recipe.deployment import Deployment
 from pdlab.recipe.model import ModelSpec
 from pdlab.serve import messages as m
@@ -101,6 +103,7 @@ class Cluster:
 
     # ---- lifecycle ----
     def start(self, timeout: float = READY_TIMEOUT_S) -> None:
+        # deferred: zmq
         import zmq
 
         if self.router is not None:
@@ -228,7 +231,6 @@ class Cluster:
 
     def _check_pairs(self) -> None:
         """Every prefill worker can hand KV to every decode worker (pdlab.kv.fingerprint), or nothing is sent."""
-        from pdlab.kv.fingerprint import KvFingerprint, PairingError, check_pair
 
         ws = self.router.workers.values()
         try:
@@ -326,6 +328,7 @@ class Cluster:
 
     def _pump(self, wait_s: float) -> None:
         """Read every frame that is there (waiting up to `wait_s` for the first), then check health."""
+        # deferred: zmq
         import zmq
 
         r = self.router
@@ -395,8 +398,6 @@ def stop_resource_tracker() -> None:
     leaves running at exit: it ends when our end of its pipe closes, after we are gone, a zombie re-parented
     to init. Stop it and wait for it, so that every child of pdlab is reaped before pdlab exits."""
     try:
-        from multiprocessing import resource_tracker
-
         resource_tracker._resource_tracker._stop()
     except Exception:  # noqa: BLE001 - a private API: if it changed, the tracker ends as before
         pass

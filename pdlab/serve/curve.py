@@ -43,6 +43,7 @@ class ClusterKeys:
 
     @classmethod
     def for_run(cls) -> "ClusterKeys":
+        # deferred: zmq
         import zmq
 
         spub, ssec = zmq.curve_keypair()
@@ -69,6 +70,7 @@ class ClusterKeys:
     def run_member(self) -> tuple[dict, bytes]:
         """A member key pair made for the router's own workers, in memory, and its public key: the router admits
         it beside the cluster's, so the router's machine needs no member secret."""
+        # deferred: zmq
         import zmq
 
         pub, sec = zmq.curve_keypair()
@@ -77,6 +79,7 @@ class ClusterKeys:
 
 def init_keys(directory: str) -> list[str]:
     """Write a new cluster's keys into `directory` (made 0700; it must be new or empty). Returns the files."""
+    # deferred: zmq
     import zmq
 
     d = os.path.expanduser(directory)
@@ -111,6 +114,7 @@ def _check_private(path: str, mode: int, what: str) -> None:
 
 
 def _read(d: str, name: str, shown: str) -> tuple[bytes, Optional[bytes]]:
+    # deferred: zmq
     from zmq.auth import load_certificate
 
     path = os.path.join(d, name)
@@ -127,6 +131,7 @@ def _read(d: str, name: str, shown: str) -> tuple[bytes, Optional[bytes]]:
 
 def serve(sock: Any, keys: ClusterKeys) -> None:
     """Make `sock` (not yet bound) a CURVE server; pdlab.serve.guard decides who gets in."""
+    # deferred: zmq
     import zmq
 
     sock.curve_server = True

@@ -24,6 +24,7 @@ _NOT_MEMBER = "its key is not this cluster's member key"
 
 
 def _protocol_reason(value: int) -> str:
+    # deferred: zmq
     import zmq
 
     if value == getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", -1):
@@ -36,6 +37,7 @@ def _protocol_reason(value: int) -> str:
 class Guard:
     def __init__(self, ctx: Any, sock: Any, members: set[bytes], address: str):
         """`members`: Z85 public keys admitted; `sock`: the router socket, not yet bound."""
+        # deferred: zmq
         import zmq
 
         self.address, self.members = address, {m.strip() for m in members}
@@ -53,6 +55,7 @@ class Guard:
         self._thread.start()
 
     def _run(self) -> None:
+        # deferred: zmq
         import zmq
 
         poller = zmq.Poller()
@@ -71,6 +74,7 @@ class Guard:
 
     def _answer(self, frames: list[bytes]) -> None:
         """One ZAP request: [version, id, domain, address, identity, mechanism, credentials...]."""
+        # deferred: zmq
         import zmq.utils.z85
 
         version, rid, _domain, address, _identity, mechanism = frames[:6]
@@ -84,6 +88,7 @@ class Guard:
                                   b"member" if ok else b"", b""])
 
     def _watch(self) -> None:
+        # deferred: zmq
         import zmq
         from zmq.utils.monitor import parse_monitor_message
 

@@ -13,6 +13,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from pdlab.devices import format_devices, parse_devices
+from pdlab.serve.peer_probe import PeerSpec, run_peer
 
 
 def start_workers(ctx: Any, deployment: dict, specs: list[dict], node: str, offered: list[str], join: str,
@@ -20,6 +21,7 @@ def start_workers(ctx: Any, deployment: dict, specs: list[dict], node: str, offe
     """Start the workers of `specs` (raw WorkerSpecs of `deployment`, its recipe form) placed on `node`; returns
     their processes by name. ValueError (RecipeError, ClusterError) when one cannot run here; nothing is left
     running then."""
+    # deferred: numpy
     from pdlab.recipe.deployment import Deployment
     from pdlab.serve.topology import place
     from pdlab.serve.spec import WorkerSpec
@@ -53,7 +55,6 @@ def start_workers(ctx: Any, deployment: dict, specs: list[dict], node: str, offe
 
 def start_probe(ctx: Any, spec: dict, join: str, member: Optional[dict]) -> dict[str, Any]:
     """Start `pdlab doctor --peer`'s probe peer (pdlab.serve.peer_probe) here."""
-    from pdlab.serve.peer_probe import PeerSpec, run_peer
 
     peer = replace(PeerSpec.from_raw(spec), endpoint=join, curve=member)
     proc = ctx.Process(target=run_peer, args=(peer.to_raw(),), name=f"pdlab-{peer.name}", daemon=True)

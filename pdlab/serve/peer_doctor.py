@@ -14,8 +14,12 @@ import socket
 import time
 from typing import Any, Callable, Optional
 
+import torch
+
 from pdlab.constants import HEARTBEAT_TIMEOUT_S, NODE_IDENTITY, PEER_PROBE_SIZES, STOP_TIMEOUT_S
 from pdlab.kv import shm
+from pdlab.kv.nixl import NixlTransport
+from pdlab.kv.nixl_probe import path_warning
 from pdlab.serve import messages as m
 from pdlab.serve import node_messages as nm
 from pdlab.serve.curve import ClusterKeys, serve as curve_serve
@@ -30,6 +34,7 @@ class PeerError(RuntimeError):
 def probe_peer(address: str, keys: Optional[ClusterKeys], wait_s: float, ucx_tls: str = "auto",
                sizes: tuple[int, ...] = PEER_PROBE_SIZES, say: Callable[[str], None] = print) -> dict:
     """Listen at `address` (keys None: plain TCP), wait up to `wait_s` for a node, measure; the report."""
+    # deferred: zmq
     import zmq
 
     ctx = zmq.Context()
@@ -81,10 +86,6 @@ def probe_peer(address: str, keys: Optional[ClusterKeys], wait_s: float, ucx_tls
                    getattr(got[1], "error", "") or f"it exited with code {got[1].code}")
             raise PeerError(f"node {offer.node} could not start a NIXL probe peer: {why}")
         handle = got[1].pool
-        from pdlab.kv.nixl import NixlTransport
-        from pdlab.kv.nixl_probe import path_warning
-
-        import torch
 
         torch.set_num_threads(1)  # a worker copies with one thread
         transport = NixlTransport("doctor", f"pdlab-doctor-{secrets.token_hex(3)}", ucx_tls=ucx_tls)

@@ -21,6 +21,7 @@ from typing import Any, Optional
 from pdlab.serve import messages as m
 from pdlab.serve import node_messages as nm
 from pdlab.serve.curve import connect_as_member
+from pdlab.serve.process import die_with_parent, exit_on_signal
 
 PEER_NAME = "doctor-peer"  # its identity on the doctor's socket (not node:...)
 PEER_WAIT_S = 600.0  # a probe peer left alone this long (no Stop) ends itself
@@ -45,6 +46,7 @@ class PeerSpec:
 
 def pattern(shape: tuple, salt: int) -> Any:
     """Deterministic pool contents (every value exact in float32), different per `salt`."""
+    # deferred: torch
     import torch
 
     n = 1
@@ -55,14 +57,14 @@ def pattern(shape: tuple, salt: int) -> Any:
 
 def run_peer(raw: dict) -> None:
     """Process entry on the joined node: register a pool with NIXL, send its handle, wait for Stop."""
+    # deferred: zmq
     import zmq
-
-    from pdlab.serve.process import die_with_parent, exit_on_signal
 
     spec = PeerSpec.from_raw(raw)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, exit_on_signal)
     die_with_parent()
+    # deferred: torch
     import torch
 
     torch.set_num_threads(1)
@@ -75,6 +77,7 @@ def run_peer(raw: dict) -> None:
     transport = None
     try:
         try:
+            # deferred: torch
             from pdlab.kv.nixl import NixlTransport
 
             transport = NixlTransport(spec.name, f"pdlab-peer-{secrets.token_hex(3)}", ucx_tls=spec.ucx_tls)
@@ -98,6 +101,7 @@ def measure(local: Any, peer: Any, sizes: tuple[int, ...], repeats: int = 5) -> 
     """Pull and push between our pool (`local`, a NixlTransport whose pool has twice the peer's blocks) and the
     peer's (`peer`, opened) at each size (bytes; whole blocks, at least one). Raises RuntimeError when bytes do
     not arrive intact."""
+    # deferred: torch
     import torch
 
     pool = local.pool
@@ -134,6 +138,7 @@ def measure(local: Any, peer: Any, sizes: tuple[int, ...], repeats: int = 5) -> 
 
 def peer_spec(endpoint: str, ucx_tls: str, max_bytes: int) -> PeerSpec:
     """A probe peer with room for the largest size, in cpu-demo's block layout."""
+    # deferred: torch
     from pdlab.kv.probe import kv_shape
 
     like = kv_shape("cpu-demo", 16)

@@ -4,6 +4,7 @@ tensor-parallel followers, `pdlab profile`'s measuring process, a peer probe), s
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 from typing import Any
@@ -32,6 +33,7 @@ def pin_process(devices: tuple[str, ...], tp: int = 1, visible_gpus: tuple[str, 
 def use_threads(cpu_cores: list[int]) -> None:
     """One torch thread per pinned core (none pinned: torch's default)."""
     if cpu_cores:
+        # deferred: torch
         import torch
 
         torch.set_num_threads(len(cpu_cores))
@@ -44,8 +46,6 @@ def exit_on_signal(signum: int, frame: Any) -> None:
 def die_with_parent() -> None:
     """Ask Linux to SIGTERM us if the main process dies (even by SIGKILL): no orphan workers."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - not Linux: the heartbeat thread's ppid check still ends us
         pass

@@ -23,11 +23,16 @@ import tempfile
 from typing import Any
 
 from pdlab.constants import STEP_TIMEOUT_S, STOP_TIMEOUT_S, TP_TRANSPORTS
+from pdlab.engine import load_model
+from pdlab.engine.model import model_config, model_dims
+from pdlab.gpus import rank_device
+from pdlab.serve.process import die_with_parent
 
 
 def _init(rank: int, world: int, store_dir: str, cuda: bool, timeout_s: float) -> Any:
     """Join the group (the default process group carries the model's all-reduces); returns the control
     group for the step broadcast (None on CPU: the default group, gloo, serves)."""
+    # deferred: torch
     import torch.distributed as dist
 
     store = dist.FileStore(os.path.join(store_dir, "store"), world)
@@ -37,13 +42,11 @@ def _init(rank: int, world: int, store_dir: str, cuda: bool, timeout_s: float) -
 
 
 def _device(spec: Any, rank: int) -> str:
-    from pdlab.gpus import rank_device
-
     return rank_device(spec.visible_gpus, rank)  # the launcher lists a worker's own GPUs first, in rank order
 
 
 def _load(spec: Any, rank: int, fast: Any = None) -> Any:
-    from pdlab.engine import load_model
+    # deferred: torch
     from pdlab.engine.tensor_parallel import shard_model
 
     model = load_model(spec.model, device=_device(spec, rank), seed=spec.seed)  # same seed: the same weights
@@ -53,11 +56,11 @@ def _load(spec: Any, rank: int, fast: Any = None) -> Any:
 def _fast_reduce(spec: Any, rank: int, alive: Any) -> Any:
     """CPU ranks of one host: the shared-memory all-reduce, sized for the largest step (token budget rows of
     the hidden state in float32); None where it does not apply (CUDA: NCCL; not x86-64)."""
+    # deferred: torch
     from pdlab.engine import shm_allreduce
 
     if spec.visible_gpus or not shm_allreduce.available():
         return None
-    from pdlab.engine.model import model_config
 
     cfg = model_config(spec.model)
     rows = max(spec.engine.token_budget, spec.engine.max_running)
@@ -70,6 +73,7 @@ class TensorGroup:
     """Rank 0's side: start the followers, join the group, shard the model, close."""
 
     def __init__(self, spec: Any):
+        # deferred: numpy
         from pdlab.serve.spec import WorkerSpec
 
         self.spec = spec
@@ -86,6 +90,7 @@ class TensorGroup:
             p.stdin.close()
             self.procs.append(p)
         control = _init(0, spec.tp, self.store_dir, cuda, STEP_TIMEOUT_S)
+        # deferred: torch
         from pdlab.engine.tensor_parallel import StepChannel
 
         self.channel = StepChannel(control)
@@ -96,6 +101,7 @@ class TensorGroup:
     def start(self, num_blocks: int) -> None:
         """Tell the followers the pool size rank 0's engine chose (they allocate the same block count) and
         wait until every shard exists."""
+        # deferred: torch
         from pdlab.engine.tensor_parallel import OP_STEP
 
         self.channel.send(OP_STEP, num_blocks.to_bytes(8, "little"))
@@ -113,6 +119,7 @@ class TensorGroup:
 
     def pool(self, own: Any, kv_heads: int) -> Any:
         """This group's pool as rank 0 copies into or out of it: its own shard and the followers' mapped."""
+        # deferred: torch
         from pdlab.kv import shm
         from pdlab.kv.sharded import ShardedPool
 
@@ -121,6 +128,7 @@ class TensorGroup:
         return ShardedPool([own] + [x.tensor for x in self._mapped], kv_heads)
 
     def close(self) -> None:
+        # deferred: torch
         from pdlab.engine.tensor_parallel import OP_STOP
 
         alive = all(p.poll() is None for p in self.procs)
@@ -136,6 +144,7 @@ class TensorGroup:
                 p.kill()
                 p.wait(STOP_TIMEOUT_S)
         try:
+            # deferred: torch
             import torch.distributed as dist
 
             if dist.is_initialized():
@@ -157,7 +166,7 @@ def shard_segment(spec: Any, rank: int) -> str:
 
 def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
     """Process entry of rank `rank` (spawned by rank 0): pin, join, load a shard, follow steps until STOP."""
-    from pdlab.serve.process import die_with_parent
+    # deferred: numpy
     from pdlab.serve.spec import WorkerSpec
 
     spec = WorkerSpec.from_raw(spec_raw)
@@ -170,9 +179,9 @@ def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
         os.environ["CUDA_VISIBLE_DEVICES"] = ""
         os.sched_setaffinity(0, [int(dev.split(":")[1])])
         os.environ["OMP_NUM_THREADS"] = "1"
+    # deferred: torch
     import torch
 
-    from pdlab.engine.model import model_dims
     from pdlab.engine.runner import ModelRunner
     from pdlab.engine.tensor_parallel import OP_STEP, StepChannel, read_step
 
@@ -192,6 +201,7 @@ def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
     shape = (dims["layers"], 2, blocks, spec.engine.block_size, dims["kv_heads"], dims["head_dim"])
     alloc = None
     if spec.role != "unified" and spec.transport in SHARD_IN_SHM:  # rank 0 hands this shard over: /dev/shm
+        # deferred: torch
         from pdlab.kv.shm import ShmAllocator
 
         alloc = ShmAllocator(shard_segment(spec, rank))
@@ -209,6 +219,7 @@ def run_follower(spec_raw: dict, rank: int, store_dir: str) -> None:
             seqs, ns, ds = read_step(payload)
             ids, pos, ctx, _ = runner.prepare(seqs, ns, ds)
             runner.forward(ids, pos, ctx, [])  # rank 0 samples
+        # deferred: torch
         import torch.distributed as dist
 
         dist.destroy_process_group()

@@ -19,6 +19,7 @@ from pdlab import gpus as gpu_inventory
 from pdlab.devices import parse_devices
 from pdlab.recipe.deployment import Deployment, PlannedWorker
 from pdlab.recipe.nodes import ControlSpec
+from pdlab.serve.curve import ClusterKeys, KeysError
 from pdlab.serve.sharing import host_cores, memory_shares
 
 
@@ -111,8 +112,6 @@ def _check_peer_access(workers: list[PlannedWorker], own_of: dict[str, list[str]
 def _check_control(control: ControlSpec) -> None:
     """The router's keys load, and its tcp:// address can be listened on here (a free port of this machine)."""
     if control.keys is not None:
-        from pdlab.serve.curve import ClusterKeys, KeysError
-
         try:
             ClusterKeys.load(control.keys, server=True)
         except KeysError as e:

@@ -13,13 +13,18 @@ import os
 import signal
 import threading
 import time
+import traceback
 from dataclasses import asdict
 from typing import Any
 
+from pdlab.engine.model import load_stand_in
+from pdlab.gpus import rank_device
+from pdlab.kv.fingerprint import KvFingerprint
 from pdlab.serve import messages as m
 from pdlab.serve.curve import connect_as_member
 from pdlab.serve.process import die_with_parent, exit_on_signal, pin_process, use_threads
 from pdlab.serve.spec import WorkerSpec
+from pdlab.serve.tensor_group import TensorGroup
 
 
 def run_worker(spec_dict: dict) -> None:
@@ -33,11 +38,10 @@ def run_worker(spec_dict: dict) -> None:
 
 class Worker:
     def __init__(self, spec: WorkerSpec, cpu_cores: list[int]):
+        # deferred: torch, zmq
         import zmq
 
         from pdlab.engine import Engine, load_model
-        from pdlab.engine.model import load_stand_in
-        from pdlab.gpus import rank_device
 
         self.spec, self.name, self.role = spec, spec.name, spec.role
         self.parent = os.getppid()
@@ -55,8 +59,6 @@ class Worker:
         try:
             device = rank_device(spec.visible_gpus, 0)  # rank 0 of its group
             if spec.tp > 1 and not spec.model.timing:  # a timed engine stands for its whole group alone
-                from pdlab.serve.tensor_group import TensorGroup
-
                 self.tp = TensorGroup(spec)
                 self.model = self.tp.load()
             else:  # a timed model is not run: its dimensions are enough
@@ -65,6 +67,7 @@ class Worker:
             self.transport = None
             kv_alloc = None
             if spec.transport and self.role != "unified":
+                # deferred: torch
                 from pdlab.kv.factory import make_transport
 
                 self.transport = make_transport(spec.transport, self.name, spec.run_prefix, device, spec.visible_gpus,
@@ -81,6 +84,7 @@ class Worker:
             if self.tp is not None:
                 self.tp.close()
             raise
+        # deferred: torch
         from pdlab.serve.handlers import RoleHandler
 
         handle, self.pool = None, self.engine.kv  # what hand-overs copy into / out of: the whole group's pool
@@ -94,8 +98,6 @@ class Worker:
         self.handler = RoleHandler(self)
         fp = {}
         if self.transport is not None:
-            from pdlab.kv.fingerprint import KvFingerprint
-
             fp = KvFingerprint.of(spec.model, self.engine, tp=spec.tp).to_raw()
         kernels = {n: c.to_dict() for n, c in getattr(self.engine.runner, "kernels", {}).items()}
         self.send(m.Ready(self.name, os.getpid(), handle,
@@ -105,6 +107,7 @@ class Worker:
         self.sock.send(m.encode(msg))
 
     def _heartbeat(self) -> None:
+        # deferred: zmq
         import zmq
 
         hb = self.ctx.socket(zmq.DEALER)
@@ -122,6 +125,7 @@ class Worker:
             hb.close()
 
     def serve(self) -> None:
+        # deferred: zmq
         import zmq
 
         try:
@@ -142,8 +146,6 @@ class Worker:
                 if self.engine.has_work():
                     self.handler.step()
         except Exception as e:  # noqa: BLE001
-            import traceback
-
             traceback.print_exc()
             self.send(m.Fatal(self.name, f"{type(e).__name__}: {e}"))
             raise

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from pdlab.measure.search import RateSearch
@@ -56,7 +56,6 @@ def _alone(v: Variant, slo: SLO, wl: Workload) -> dict:
 
 def unified_one(v: Variant) -> Variant:
     """The variant on one unified worker: the calibration's reference."""
-    from dataclasses import replace
 
     first = v.deployment.workers[0]
     return replace(v, deployment=Deployment.from_raw({"unified": {"devices": list(first.devices), "tp": first.tp}},

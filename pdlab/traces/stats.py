@@ -99,9 +99,10 @@ def plot_stats(stats: TraceStats, trace: Trace, path: str) -> Optional[str]:
     """A PNG beside the table: rate over time, and the input and output length distributions (CDFs).
     None when matplotlib is not installed (the `plots` extra)."""
     try:
-        import matplotlib  # deferred: optional, and slow to import
+        import matplotlib  # deferred: matplotlib (optional; slow to import)
 
         matplotlib.use("Agg")
+        # deferred: matplotlib (optional)
         import matplotlib.pyplot as plt
     except ImportError:
         return None

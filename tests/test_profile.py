@@ -250,7 +250,12 @@ def test_steps_are_measured_in_a_process_set_up_as_a_worker(tiny):
     core = sorted(os.sched_getaffinity(0))[-1]
     res = measure(job_for("tiny-llama", "float32", "cpu", [core], 20, 0))
     assert res["pid"] != os.getpid() and res["cores"] == [core] and res["threads"] == 1
-    here = ModelRunner(tiny, torch.zeros(2, 2, 8, 16, 2, 16), 16).kernels  # the same machine's choice
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a verdict is per torch thread count; the worker's is one thread's
+    try:
+        here = ModelRunner(tiny, torch.zeros(2, 2, 8, 16, 2, 16), 16).kernels  # the same machine's choice
+    finally:
+        torch.set_num_threads(threads)
     assert res["kernels"] == {k: c.to_dict() for k, c in here.items()} and set(res["kernels"]) == set(CPU_KERNELS)
     assert res["malloc_tuned"] == tune_malloc()
     assert len(res["steps"]) >= 20 and {k for k in res["case_kinds"]} == set(KINDS)

@@ -140,8 +140,15 @@ def test_what_cannot_progress_fails_instead_of_hanging(monkeypatch):
 
 
 def modelled_line(stdout: str, variant: str) -> str:
-    """What the MODELLED line of pdlab run's table says about `variant` ("MODELLED a, b: what ...")."""
+    """What the MODELLED line of pdlab run's table says about `variant` ("MODELLED a, b: what ..."; a line
+    the table wrapped continues on indented lines)."""
+    lines: list[str] = []
     for line in stdout.splitlines():
+        if line.startswith(" ") and lines:
+            lines[-1] += " " + line.strip()
+        else:
+            lines.append(line)
+    for line in lines:
         head, _, what = line.partition(": ")
         if head.startswith("MODELLED ") and variant in head[len("MODELLED "):].split(", "):
             return what

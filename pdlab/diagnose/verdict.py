@@ -115,9 +115,9 @@ def judge(itl: dict, misses: dict, fit: Fit, corr: dict, threshold_ok: bool, tar
     beyond = _beyond(fit, target_ms) if stalled >= MIN_MISSES else None
     if beyond is not None and line is not None:
         shortest = min(p.prompt_tokens for p in fit.points)
-        which = f"prompts longer than about {beyond} tokens" if beyond > shortest else \
-            f"every prompt from {shortest} tokens on"
-        out.append(f"By the fit ({_ms(line.per_1k_ms)} per 1k prompt tokens), {which} stalls decodes beyond your "
+        which = f"prompts longer than about {beyond} tokens stall" if beyond > shortest else \
+            f"every prompt from {shortest} tokens on stalls"
+        out.append(f"By the fit ({_ms(line.per_1k_ms)} per 1k prompt tokens), {which} decodes beyond your "
                    "target.")
     out.append(figures)
     return Verdict("not_prefill_stalls", tuple(out), stall_beyond_tokens=beyond)

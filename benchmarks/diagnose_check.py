@@ -20,6 +20,11 @@ stall at the longest probe) must grow with the budget. Skipped, with the reason,
 (scripts/vllm-env.sh creates it; slow).
 
     python benchmarks/diagnose_check.py [--variants unified,disagg-pull] [--vllm] [--out DIR] [--json]
+        [--set KEY=VALUE ...]     # e.g. one unified replica on cpu:1, so the client and HTTP side keep cpu:0
+
+On a 2-core box long-input's variants take both cores, and the HTTP server and the client share them with the
+workers: a decode step slowed by that sharing, while a probe is sent, is a real gap the client sees, but not a
+prefill (precision counts it against the tags). --set moves the served workers off a core.
 
 Run it on a quiet machine: both the server and the client time what they see. Exit 0 when every criterion
 held, 1 when one did not, 2 when a server or a diagnosis could not run.
@@ -99,8 +104,8 @@ def check(name: str, ok: bool, value: object) -> dict:
     return {"criterion": name, "ok": bool(ok), "value": value}
 
 
-def unified(root: str, fit_lengths: str) -> list[dict]:
-    proc, url = serve(RECIPE, "unified", os.path.join(root, "serve-unified"))
+def unified(root: str, fit_lengths: str, sets: tuple[str, ...] = ()) -> list[dict]:
+    proc, url = serve(RECIPE, "unified", os.path.join(root, "serve-unified"), sets)
     try:
         a, took = diagnose(url, os.path.join(root, "diagnose-unified"), os.path.join(root, "serve-unified"))
         fit, _ = diagnose(url, os.path.join(root, "diagnose-unified-fit"), os.path.join(root, "serve-unified"),
@@ -126,8 +131,8 @@ def unified(root: str, fit_lengths: str) -> list[dict]:
     return out
 
 
-def disagg(root: str) -> list[dict]:
-    proc, url = serve(RECIPE, "disagg-pull", os.path.join(root, "serve-disagg-pull"))
+def disagg(root: str, sets: tuple[str, ...] = ()) -> list[dict]:
+    proc, url = serve(RECIPE, "disagg-pull", os.path.join(root, "serve-disagg-pull"), sets)
     try:
         a, took = diagnose(url, os.path.join(root, "diagnose-disagg-pull"), os.path.join(root, "serve-disagg-pull"))
     finally:
@@ -166,6 +171,9 @@ def main() -> int:
     p.add_argument("--vllm-budgets", default="256,1024")
     p.add_argument("--vllm-lengths", default="500,1000,2000,3000")
     p.add_argument("--out", default=None, help="directory of the servers' and diagnoses' runs")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override for the served variants (pdlab serve --set), e.g. "
+                        "'variants.unified.deployment={unified: {devices: [cpu:1]}}' to keep a core for the client")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     root = os.path.abspath(args.out or os.path.join(ROOT, "runs", f"diagnose-check-{time.strftime('%Y%m%d-%H%M%S')}"))
@@ -174,9 +182,9 @@ def main() -> int:
     try:
         for v in [x.strip() for x in args.variants.split(",") if x.strip()]:
             if v == "unified":
-                results += unified(root, args.fit_lengths)
+                results += unified(root, args.fit_lengths, tuple(args.set))
             elif v == "disagg-pull":
-                results += disagg(root)
+                results += disagg(root, tuple(args.set))
             else:
                 raise Failed(f"--variants: {v}: expected unified or disagg-pull")
         if args.vllm:

@@ -11,6 +11,7 @@ import yaml
 from pdlab.measure.summary import summarize_run
 from pdlab.recipe import parse_recipe
 from pdlab.sim.experiment import simulate_recipe
+from pdlab.traces.report import describe
 from pdlab.workload import build_workload
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
@@ -43,6 +44,20 @@ def test_a_simulated_replay_reports_the_traces_reuse_beside_the_measured_hit_rat
         assert 0 < got["prefix_hit_rate"] <= ratio  # the engine cannot beat one unbounded cache
     # one prefill worker holds every prompt's blocks: it reaches nearly the trace's own ratio
     assert t["variants"]["disagg"]["prefix_hit_rate"] > 0.8 * ratio
+    # compare's header says it in one line: the trace's reuse, then each variant's measured hits
+    line = describe(t)
+    hits = [f"{v} {100 * t['variants'][v]['prefix_hit_rate']:.0f}%" for v in ("unified", "disagg")]
+    assert line.startswith("trace mooncake ") and ": 24 requests" in line and "length_scale 0.125" in line
+    assert f"prefix reuse {100 * ratio:.0f}% in the trace, prefix hits measured: {', '.join(hits)}" in line
+
+
+def test_a_trace_without_prefix_information_says_so_and_counts_what_it_dropped_and_clipped():
+    t = {"format": "burstgpt", "path": "b.csv", "requests": 10, "span_s": 60.0, "nominal_rate": 0.1667,
+         "time_scale": 1.0, "length_scale": 1.0, "dropped": {"failed": 2, "zero_output": 1}, "prefix_info": False,
+         "reuse_ratio": None, "variants": {"u": {"clipped": {"context": 4096, "input": 3, "output": 0},
+                                                  "prefix_hit_rate": 0.0}}}
+    assert describe(t) == ("trace burstgpt b.csv: 10 requests over 60 s, nominal 0.167 req/s, 3 rows dropped; "
+                           "no prefix information in this format; clipped to the context: u 3 input")
 
 
 def test_pdlab_run_stops_on_a_malformed_trace_before_anything_starts(tmp_path):

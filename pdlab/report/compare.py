@@ -29,6 +29,7 @@ from pdlab.report.stats import legend
 from pdlab.report.terminal import render  # noqa: F401 - compare's printer, where callers look for it
 from pdlab.report.verdict import Side, Verdict, judge, ratio_of
 from pdlab.report.wording import sentence
+from pdlab.traces.report import describe as describe_trace
 from pdlab.workload import rate_tag
 
 
@@ -129,6 +130,9 @@ def _about(runs: list[LoadedRun]) -> dict:
                      if w not in _box(lr)]
         + [f"{lr.name}: configuration not shown: {lr.recipe_error}" for lr in runs if lr.recipe_error],
         "plan": next((lr.plan for lr in runs if lr.plan), None),
+        # a run that replayed a trace: one line, the trace's reuse beside the prefix hits measured
+        "traces": [("" if one else f"{lr.name}: ") + describe_trace(lr.summary["trace"]) for lr in runs
+                   if lr.summary["trace"]],
     }
 
 

@@ -27,7 +27,7 @@ from pdlab.recipe import SLO, Recipe, Variant, parse_recipe
 SUMMARY_DEFAULTS = {"schema_version": 1, "run": None, "box": None, "definitions": {}, "slo": None, "relative": None,
                     "alone": None, "alone_by_variant": {}, "repeats": 0, "partial": False, "reason": None,
                     "warnings": [], "modelled": {}, "variants": {}, "kernels": {},
-                    "rates_resolved": {}}
+                    "rates_resolved": {}, "trace": None}
 NO_SUMMARY = "no summary was written (the run was killed, or is still going): recomputed from the records"
 
 

@@ -70,6 +70,7 @@ def header(result: dict) -> list[Line]:
     for label, what in result["kernels"].items():
         kernels.setdefault(what, []).append(label)
     out += [Line("info", f"CPU kernels of {', '.join(labels)}: {what}") for what, labels in kernels.items()]
+    out += [Line("info", t) for t in result["traces"]]
     if result["plan"]:
         p = result["plan"]
         best = ", ".join(f"{r['candidate']} {_f(r['goodput']['mean'], '{:.2f}')}" for r in p["ranking"][:3])

@@ -57,3 +57,28 @@ def trace_summary(facts: dict[str, dict], requests: list[dict]) -> Optional[dict
                        "requests": len(recs), "prefix_hit_rate": _hit(recs)} for rate, recs in rates],
         }
     return out
+
+
+def _pct(x: Optional[float]) -> str:
+    return "—" if x is None else f"{100 * x:.0f}%"
+
+
+def describe(trace: dict) -> str:
+    """The trace block of a summary on one line, for compare's header: what was replayed, at what pace, and the
+    trace's own prefix reuse beside the hit rate each variant measured."""
+    nominal = trace.get("nominal_rate")
+    pace = "" if nominal is None else f", nominal {nominal:.3g} req/s"
+    scales = ", ".join(f"{k} {trace[k]:g}" for k in ("time_scale", "length_scale") if trace.get(k) not in (None, 1, 1.0))
+    dropped = sum((trace.get("dropped") or {}).values())
+    head = (f"trace {trace.get('format')} {trace.get('path')}: {trace.get('requests')} requests"
+            + (f" over {trace['span_s']:.0f} s" if trace.get("span_s") is not None else "") + pace
+            + (f" ({scales})" if scales else "") + (f", {dropped} rows dropped" if dropped else ""))
+    variants = trace.get("variants") or {}
+    if trace.get("prefix_info"):
+        hits = ", ".join(f"{v} {_pct(f.get('prefix_hit_rate'))}" for v, f in variants.items())
+        head += f"; prefix reuse {_pct(trace.get('reuse_ratio'))} in the trace, prefix hits measured: {hits}"
+    else:
+        head += "; no prefix information in this format"
+    clipped = [f"{v} {n} {k}" for v, f in variants.items() for k, n in ((f.get("clipped") or {}).items())
+               if k != "context" and n]
+    return head + (f"; clipped to the context: {', '.join(clipped)}" if clipped else "")

@@ -126,6 +126,9 @@ def test_two_endpoints_run_and_compare_like_any_run(tmp_path, servers):
     c = pdlab("compare", str(out))
     assert c.returncode == 0, c.stderr
     assert "unified" in c.stdout and "disagg" in c.stdout and KEY not in c.stdout + c.stderr
+    # M/D/1 needs the number of servers that prefill: behind a URL, pdlab does not know it, and says that
+    assert "disagg: no check: an endpoint: how many servers prefill behind it is not known here" in \
+        " ".join(c.stdout.split())
 
 
 def test_text_prompts_and_outputs_go_through_the_recipes_tokenizer(tmp_path, servers):

@@ -152,7 +152,9 @@ def mdl1_lines(result: dict) -> list[str]:
         m = r["mdl1"]
         if m is None:
             why = ("did not run" if not r["ran"] else "no finite rate measured" if not r["met"] or set(r["met"]) ==
-                   {"inf"} else "no one-request-alone figure for it (simulated runs measure none)")
+                   {"inf"} else "an endpoint: how many servers prefill behind it is not known here"
+                   if r["engine"] == "endpoint" else "no one-request-alone figure for it (simulated runs measure none)"
+                   if r["timing"] == "simulated" else "no one-request-alone figure for it")
             out.append(f"{r['label']}: no check: {why}")
         elif m["predicted_ms"] is None:
             out.append(f"{r['label']}: {m['rate']:g} req/s, ρ {m['rho']:.2f}: no check: load too high for it")

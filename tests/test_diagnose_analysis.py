@@ -212,3 +212,17 @@ def test_offline_every_request_is_a_stream_and_an_isolated_window_a_point():
     a = analyse("run", as_run, 50.0)
     assert len(a.fit.points) == 9 and a.verdict.kind == "prefill_interference"
     assert len(tag(as_run).of("stall")) == 36
+
+
+def test_a_budget_never_promises_less_than_a_steady_step_plus_its_chunks_prefill():
+    """A line fitted over long prompts may have a negative intercept (here -108 ms + 0.346 ms a token, as a
+    2-core box measured): extrapolated to a small budget it would promise a negative stall."""
+    from pdlab.diagnose.fit import Fit, Line, Point
+    from pdlab.diagnose.verdict import _budget
+
+    points = tuple(Point(f"p{n}", n, -108.0 + 0.346 * n, True, 0.346 * n) for n in (500, 1000, 2000, 4000))
+    fit = Fit(points, Line(0.346, -108.0, 0.99, len(points)))
+    assert fit.line.at(256) < 0
+    budget, stall = _budget(fit, 50.0, 12.0)  # 12 + 0.346 x 64 is within 50 ms, 12 + 0.346 x 128 is not
+    assert budget == 64 and stall == pytest.approx(12.0 + 0.346 * 64)
+    assert _budget(fit, 50.0, 45.0) == (None, None)  # a steady step near the target leaves no room for a chunk

@@ -51,16 +51,23 @@ def _share(x: Optional[float]) -> str:
     return "n/a" if x is None else f"{100 * x:.0f}%" if x >= 0.01 or x == 0 else f"{100 * x:.2f}%"
 
 
-def _budget(fit: Fit, target_ms: float) -> tuple[Optional[int], Optional[float]]:
+def _budget(fit: Fit, target_ms: float, steady_ms: Optional[float]) -> tuple[Optional[int], Optional[float]]:
+    """The largest power-of-two chunk budget whose stall stays within the target, and that stall. A step that
+    carries b prefill tokens stalls a decode at least a steady step plus b tokens' prefill at the fitted rate:
+    the line, fitted over long prompts, can extrapolate below that to small b (a negative intercept)."""
     line = fit.line
     if line is None or line.slope_ms_per_token <= 0 or fit.flat:
         return None, None
+
+    def stall(b: int) -> float:
+        return max(line.at(b), (steady_ms or 0.0) + line.slope_ms_per_token * b)
+
     top = max(p.prompt_tokens for p in fit.points)
     best = None
     b = MIN_BUDGET
-    while b <= top and line.at(b) <= target_ms:
+    while b <= top and stall(b) <= target_ms:
         best, b = b, b * 2
-    return (best, line.at(best)) if best else (None, None)
+    return (best, stall(best)) if best else (None, None)
 
 
 def _beyond(fit: Fit, target_ms: float) -> Optional[int]:
@@ -130,7 +137,7 @@ def _interference(itl: dict, misses: dict, fit: Fit, target_ms: float, figures: 
            f"({_share(misses['miss_rate_in_windows'])} of gaps in windows missed, "
            f"{_share(misses['miss_rate_outside'])} outside)."]
     beyond = _beyond(fit, target_ms)
-    budget, budget_ms = _budget(fit, target_ms)
+    budget, budget_ms = _budget(fit, target_ms, itl["steady_itl_p50_ms"])
     if fit.flat:
         out.append(f"Stalls do not grow with prompt length: about {_ms(fit.plateau_ms)} from "
                    f"{min(p.prompt_tokens for p in fit.points)} to {longest['prompt_tokens']} tokens; the server seems "

@@ -7,6 +7,8 @@ import ast
 import os
 import re
 
+from test_layout import _modules
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # seconds to import on a 2-core box (python -X importtime), or not always installed (extras, GPU only)
 HEAVY = {"torch", "transformers", "matplotlib", "aiohttp", "numpy", "zmq", "rich", "typer", "prometheus_client",
@@ -19,17 +21,6 @@ LAZY = {"EngineConfig": "config", "SamplingParams": "config", "RequestError": "c
 # files other work had open when this check landed; their imports are to be sorted out the same way
 PENDING = ("pdlab/cli.py", "pdlab/commands/profile.py", "pdlab/api/model.py", "pdlab/timing/", "pdlab/external/")
 COMMENT = re.compile(r"#\s*deferred:\s*(.+)")
-
-
-def _modules() -> dict[str, str]:
-    out = {}
-    for dirpath, _, files in os.walk(os.path.join(ROOT, "pdlab")):
-        for f in files:
-            if f.endswith(".py"):
-                path = os.path.join(dirpath, f)
-                mod = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
-                out[mod[: -len(".__init__")] if mod.endswith(".__init__") else mod] = path
-    return out
 
 
 MODS = _modules()

@@ -73,6 +73,13 @@ MODEL_CACHE_DIR = "runs/models"  # presets saved with save_pretrained for extern
 DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
           "float16": "float16", "fp16": "float16", "auto": "auto"}
 
+# ---- worker processes (pdlab.serve.launch) ----
+# What a CPU worker spends its start importing (torch, transformers' model classes, the engine, the hand-over):
+# multiprocessing's fork server imports them once per pdlab process and every CPU worker is a fork of it, where
+# a spawned worker imported them again (~6 s of one core each on a 2-core box)
+WORKER_PRELOAD = ("pdlab.serve.launch", "torch", "transformers.modeling_utils", "pdlab.engine.engine",
+                  "pdlab.engine.model", "pdlab.serve.worker", "pdlab.serve.handlers", "pdlab.kv.factory")
+
 # ---- timeouts (seconds) ----
 TRANSFER_TIMEOUT_S = 30.0  # a KV hand-over (waiting for room included) may take this long
 STEP_TIMEOUT_S = 300.0  # one engine step may take this long before its worker is declared hung

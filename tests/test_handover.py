@@ -124,8 +124,9 @@ def _private_uses(path: str) -> list[str]:
 
 def test_the_serving_objects_use_each_others_public_interfaces_only():
     serve = os.path.join(ROOT, "pdlab", "serve")
+    stdlib = {"os", "sys", "forkserver", "resource_tracker"}  # launch.py: the stdlib's own helpers, documented there
     found = [u for f in sorted(os.listdir(serve)) if f.endswith(".py") for u in _private_uses(os.path.join(serve, f))
-             if "resource_tracker" not in u]  # cluster.py: the stdlib's own, documented there
+             if u.split(": ")[1].split(".")[0] not in stdlib]
     assert found == []
 
 
@@ -133,3 +134,25 @@ def test_the_checker_finds_a_call_to_another_objects_private_method(tmp_path):
     p = tmp_path / "x.py"
     p.write_text("class A:\n    def f(self):\n        self._ok()\n        self.h._fail()\n        super()._g()\n")
     assert _private_uses(str(p)) == ["x.py:4: self.h._fail"]
+
+
+def test_a_worker_silent_right_after_ready_is_failed_within_the_heartbeat_timeout():
+    """The start-up grace (imports, model load) ends at Ready: a worker that hangs at its first step must not
+    keep the grace a launcher gave it (60 s)."""
+    r, _ = router("pull")
+
+    class Alive:
+        pid, exitcode = 1, None
+
+        def kill(self):
+            self.exitcode = -9
+
+    w = r.workers["decode0"]
+    w.ready, w.proc = False, Alive()
+    now = time.monotonic()
+    w.last_hb = now + 60  # what the launcher grants before the first heartbeat
+    r.check_health(now + 40)  # heartbeat_timeout_s 30: still loading, within its grace
+    assert w.failed is None
+    dispatch(r, m.Ready("decode0", 1, None, 64, 8))
+    r.check_health(now + 40)
+    assert w.failed is not None and "no heartbeat" in w.failed and w.proc.exitcode == -9

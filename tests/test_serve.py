@@ -20,6 +20,7 @@ import pytest
 
 import engine_helpers as eh
 from pdlab.kv import shm
+from proc_helpers import descendants, workers_of
 from test_run_faults import alive
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,23 +83,6 @@ def test_only_loopback_goes_without_a_warning():
 
 
 # ---- served, with workers ----
-def descendants(pid: int) -> set[int]:
-    kids: dict[int, list[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                ppid = int(open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    out, todo = set(), [pid]
-    while todo:
-        for k in kids.get(todo.pop(), []):
-            out.add(k)
-            todo.append(k)
-    return out
-
-
 def pdlab_segments() -> set[str]:
     return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.PREFIX)}
 
@@ -119,7 +103,7 @@ class Served:
             self.lines.append(self.proc.stdout.readline())
         self.url = re.search(r"at (http://\S+)/v1", self.lines[-1]).group(1)
         self.port = int(self.url.rsplit(":", 1)[1])
-        self.children = descendants(self.proc.pid)
+        self.children = set(descendants(self.proc.pid))
         self.segments = pdlab_segments() - self.shm_before
         assert self.children, "no worker process"
 
@@ -323,7 +307,7 @@ def test_a_dead_worker_ends_the_server_cleanly(tmp_path):
         long: list = []
         t = stream_in_thread(s, {"prompt": eh.prompts([30], seed=4)[0], "max_tokens": 400, "ignore_eos": True,
                                  "stream": True}, long)
-        worker = next(p for p in s.children if "spawn_main" in open(f"/proc/{p}/cmdline").read())
+        worker = workers_of(s.proc.pid)[0]
         os.kill(worker, signal.SIGKILL)
         t.join(60)
         code = s.proc.wait(120)

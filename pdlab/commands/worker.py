@@ -9,6 +9,7 @@ from typing import Optional
 from pdlab.devices import Device, check_node_name, format_devices, parse_devices
 from pdlab.serve.agent import Agent
 from pdlab.serve.curve import ClusterKeys, KeysError
+from pdlab.serve.launch import stop_helpers
 
 
 def _err(msg: str) -> int:
@@ -57,11 +58,8 @@ def main(join: str, devices: list[str], name: Optional[str], keys: Optional[str]
     else:
         print("pdlab worker: warning: --insecure: plain TCP; anyone who can reach the router can read what its "
               "workers are sent", file=sys.stderr)
-    # deferred: torch
-    from pdlab.serve.cluster import stop_resource_tracker
-
     try:
         return Agent(join, [format_devices(offered)], name, member, once,
                      say=lambda s: print(s, flush=True)).run()
     finally:
-        stop_resource_tracker()
+        stop_helpers()

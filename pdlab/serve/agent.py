@@ -22,7 +22,6 @@ against keys) is told so by the handshake: the agent logs it once and keeps tryi
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import signal
 import socket
@@ -34,6 +33,7 @@ from pdlab.serve import messages as m
 from pdlab.serve import node_messages as nm
 from pdlab.serve.curve import ClusterKeys, connect_as_member
 from pdlab.serve.node_start import start_probe, start_workers
+from pdlab.serve.launch import prepare
 
 _REFUSALS = {  # the handshake events a refused client sees
     "HANDSHAKE_FAILED_AUTH": "the router does not admit our key (--keys is not this cluster's)",
@@ -73,6 +73,7 @@ class Agent:
         events = (zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_FAILED_AUTH |
                   zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
         self.monitor = self.sock.get_monitor_socket(events)
+        prepare()  # before joining: a run's Start must not wait for the imports its workers need
         self.sock.connect(self.join)
         self.say(f"node {self.name}: joining {self.join}, offering {', '.join(self.devices)} "
                  f"({'CurveZMQ keys' if self.member else 'plain TCP: insecure'})")
@@ -156,12 +157,11 @@ class Agent:
     # ---- a session ----
     def _start(self, msg: Any) -> None:
         self.session, self.run_prefix, self.reported = msg.session, msg.run_prefix, set()
-        ctx = mp.get_context("spawn")
         try:
             if isinstance(msg, nm.Probe):
-                self.procs = start_probe(ctx, msg.spec, self.join, self.member)
+                self.procs = start_probe(msg.spec, self.join, self.member)
             else:
-                self.procs = start_workers(ctx, msg.deployment, msg.specs, self.name, self.devices, self.join,
+                self.procs = start_workers(msg.deployment, msg.specs, self.name, self.devices, self.join,
                                            self.member)
         except Exception as e:  # noqa: BLE001 - a spec this machine cannot run: the router says why
             self.say(f"node {self.name}: cannot start run {msg.session}: {e}")

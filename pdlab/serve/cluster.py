@@ -20,7 +20,6 @@ the run's shared-memory segments swept, even those of a worker that died by SIGK
 from __future__ import annotations
 
 import atexit
-import multiprocessing as mp
 import os
 import secrets
 import shutil
@@ -29,7 +28,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field, replace
-from multiprocessing import resource_tracker
 from typing import Any, Optional
 
 from pdlab.constants import HEARTBEAT_TIMEOUT_S, NODE_IDENTITY, READY_TIMEOUT_S, REAP_TIMEOUT_S, STOP_TIMEOUT_S
@@ -43,6 +41,7 @@ from pdlab.serve.curve import ClusterKeys, KeysError, serve as curve_serve
 from pdlab.serve.guard import Guard, log as control_log
 from pdlab.serve.nodes import NodeLink, RemoteProc
 from pdlab.serve.placement import mirrors_caches
+from pdlab.serve.launch import start_process, stop_helpers
 from pdlab.serve.router import (RequestDone, Router, StepEvent, TokenEvent, TransferEvent, WorkerFailed,
                                 WorkerState)
 from pdlab.serve.topology import ClusterError, place
@@ -133,7 +132,6 @@ class Cluster:
                                  transfer_timeout_s=d.transfer_timeout_s, heartbeat_timeout_s=self.heartbeat_timeout_s,
                                  step_timeout_s=d.step_timeout_s, on_transfer_failure=d.on_transfer_failure,
                                  remote_prefill_min_tokens=d.route.remote_prefill_min_tokens)
-            ctx = mp.get_context("spawn")
             remote: dict[str, list[dict]] = {}
             for p, w in zip(self.placements, states):
                 spec = WorkerSpec(p.worker.name, p.worker.role, p.worker.devices, endpoint, self.model, self.engine,
@@ -147,9 +145,8 @@ class Cluster:
                     remote.setdefault(p.worker.node, []).append(spec.to_raw())
                     continue
                 spec = replace(spec, curve=keys)
-                w.proc = ctx.Process(target=run_worker, args=(spec.to_raw(),), name=f"pdlab-{p.worker.name}",
-                                     daemon=True)
-                w.proc.start()
+                w.proc = start_process(run_worker, (spec.to_raw(),), f"pdlab-{p.worker.name}",
+                                       gpus=bool(p.visible_gpus))
                 w.last_hb = time.monotonic() + 60  # grace for imports before the first heartbeat
             if remote:
                 self._nodes = NodeLink(lambda ident, frame: self._sock.send_multipart([ident, frame]),
@@ -390,14 +387,4 @@ class Cluster:
 def _stop_all() -> None:
     for c in list(_live):
         c.stop()
-    stop_resource_tracker()
-
-
-def stop_resource_tracker() -> None:
-    """Starting spawn workers also started multiprocessing's resource tracker, a child that Python < 3.13
-    leaves running at exit: it ends when our end of its pipe closes, after we are gone, a zombie re-parented
-    to init. Stop it and wait for it, so that every child of pdlab is reaped before pdlab exits."""
-    try:
-        resource_tracker._resource_tracker._stop()
-    except Exception:  # noqa: BLE001 - a private API: if it changed, the tracker ends as before
-        pass
+    stop_helpers()

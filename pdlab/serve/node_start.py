@@ -14,9 +14,10 @@ from typing import Any, Optional
 
 from pdlab.devices import format_devices, parse_devices
 from pdlab.serve.peer_probe import PeerSpec, run_peer
+from pdlab.serve.launch import start_process
 
 
-def start_workers(ctx: Any, deployment: dict, specs: list[dict], node: str, offered: list[str], join: str,
+def start_workers(deployment: dict, specs: list[dict], node: str, offered: list[str], join: str,
                   member: Optional[dict]) -> dict[str, Any]:
     """Start the workers of `specs` (raw WorkerSpecs of `deployment`, its recipe form) placed on `node`; returns
     their processes by name. ValueError (RecipeError, ClusterError) when one cannot run here; nothing is left
@@ -42,8 +43,7 @@ def start_workers(ctx: Any, deployment: dict, specs: list[dict], node: str, offe
                                  f"(--devices {', '.join(offered)})")
             spec = replace(spec, endpoint=join, curve=member, visible_gpus=p.visible_gpus,
                            memory_share=p.memory_share, host_cores=p.host_cores)
-            proc = ctx.Process(target=run_worker, args=(spec.to_raw(),), name=f"pdlab-{spec.name}", daemon=True)
-            proc.start()
+            proc = start_process(run_worker, (spec.to_raw(),), f"pdlab-{spec.name}", gpus=bool(spec.visible_gpus))
             procs[spec.name] = proc
     except BaseException:
         for proc in procs.values():
@@ -53,10 +53,9 @@ def start_workers(ctx: Any, deployment: dict, specs: list[dict], node: str, offe
     return procs
 
 
-def start_probe(ctx: Any, spec: dict, join: str, member: Optional[dict]) -> dict[str, Any]:
+def start_probe(spec: dict, join: str, member: Optional[dict]) -> dict[str, Any]:
     """Start `pdlab doctor --peer`'s probe peer (pdlab.serve.peer_probe) here."""
 
     peer = replace(PeerSpec.from_raw(spec), endpoint=join, curve=member)
-    proc = ctx.Process(target=run_peer, args=(peer.to_raw(),), name=f"pdlab-{peer.name}", daemon=True)
-    proc.start()
+    proc = start_process(run_peer, (peer.to_raw(),), f"pdlab-{peer.name}")  # DRAM: no GPU
     return {peer.name: proc}

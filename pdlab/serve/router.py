@@ -175,6 +175,7 @@ class Router:
             w.kernels = msg.kernels
             w.fingerprint = msg.fingerprint
             w.free_blocks, w.loop_t = msg.kv_blocks, now
+            w.last_hb = now  # the start-up grace ends: from here on a worker is silent for heartbeat_timeout_s at most
         elif isinstance(msg, m.Fatal):
             self.fail_worker(w.name, msg.reason)
 

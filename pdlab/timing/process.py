@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
+from pdlab.serve.launch import start_process
+
 
 class MeasureError(RuntimeError):
     """The measuring process failed (a model that does not load, a device that is not there): one line."""
@@ -58,10 +60,8 @@ def job_for(model: str, dtype: str, device: str, cores: list[int], steps: int, s
 def measure(job: Job, progress: Optional[Callable[[str], None]] = None) -> dict:
     """Run `job` in a spawned, pinned process; returns what it measured (see `_measure`). Raises
     MeasureError with the child's one-line reason."""
-    ctx = mp.get_context("spawn")
-    recv, send = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=_child, args=(asdict(job), send), name="pdlab-profile", daemon=True)
-    proc.start()
+    recv, send = mp.Pipe(duplex=False)
+    proc = start_process(_child, (asdict(job), send), "pdlab-profile", gpus=bool(job.visible_gpus))
     send.close()
     try:
         while True:

@@ -79,6 +79,10 @@ DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16
 # a spawned worker imported them again (~6 s of one core each on a 2-core box)
 WORKER_PRELOAD = ("pdlab.serve.launch", "torch", "transformers.modeling_utils", "pdlab.engine.engine",
                   "pdlab.engine.model", "pdlab.serve.worker", "pdlab.serve.handlers", "pdlab.kv.factory")
+# PDLAB_WORKER_START: fork-server (the default: CPU processes fork from the fork server) or spawn (every process
+# starts its own interpreter, as GPU processes always do: slower, but it runs sitecustomize and import-time hooks)
+WORKER_START_ENV = "PDLAB_WORKER_START"
+WORKER_START_MODES = ("fork-server", "spawn")
 
 # ---- timeouts (seconds) ----
 TRANSFER_TIMEOUT_S = 30.0  # a KV hand-over (waiting for room included) may take this long

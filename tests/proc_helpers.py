@@ -33,6 +33,15 @@ def name_of(pid: int) -> str:
         return ""
 
 
+def running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has ended; only its parent, or init, has yet to reap it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def workers_of(pid: int) -> list[int]:
     """`pid`'s worker processes (pdlab-prefill0, pdlab-decode0, ...)."""
     return [p for p in descendants(pid) if name_of(p).startswith("pdlab-")]

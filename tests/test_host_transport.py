@@ -104,5 +104,6 @@ def test_push_without_the_stage_in_decodes_stale_blocks(reference, tmp_path, mon
     hook = tmp_path / "sitecustomize.py"
     hook.write_text("from pdlab.kv.host import HostTransport\nHostTransport.stage_in = lambda self, blocks: None\n")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("PDLAB_WORKER_START", "spawn")  # a fork of the fork server would not run sitecustomize
     done = serve("push")
     assert any(d.output_ids != reference[rid] for rid, d in done.items() if d.ok)

@@ -5,7 +5,8 @@ Why a fork server: a spawned CPU worker spent ~6 s of its core importing torch a
 loaded its model (2-core box); the fork server imports WORKER_PRELOAD once per pdlab process and each worker
 is a fork of it, ready in a fraction of a second. A fork of a process that has touched CUDA cannot use CUDA,
 and nothing here can promise that of the server for every driver and torch build: a process that will use a
-GPU is spawned, as before.
+GPU is spawned, as before, and so is every process under PDLAB_WORKER_START=spawn (a sitecustomize or
+another import-time hook runs in each process then).
 
 What a forked process would otherwise lose, it is given: the fork server holds the environment, directory
 and outputs pdlab had when the server started, so each process takes on ours at its start; and it is ended
@@ -25,7 +26,8 @@ import threading
 from multiprocessing import forkserver, reduction, resource_tracker
 from typing import Any, Callable, Optional
 
-from pdlab.constants import WORKER_PRELOAD
+from pdlab.constants import WORKER_PRELOAD, WORKER_START_ENV, WORKER_START_MODES
+from pdlab.serve.topology import ClusterError
 
 _lifeline: Optional[tuple[int, int, int]] = None  # (read end, write end, the pid that made it)
 
@@ -33,7 +35,7 @@ _lifeline: Optional[tuple[int, int, int]] = None  # (read end, write end, the pi
 def start_process(target: Callable[..., None], args: tuple, name: str, gpus: bool = False) -> Any:
     """Start `target(*args)` in a daemonic process called `name` (also its OS-level name, as ps and top show
     it: pdlab-decode0); returns its multiprocessing.Process."""
-    if gpus:
+    if gpus or _start_mode() == "spawn":
         proc = mp.get_context("spawn").Process(target=target, args=args, name=name, daemon=True)
     else:
         ctx = mp.get_context("forkserver")
@@ -42,6 +44,13 @@ def start_process(target: Callable[..., None], args: tuple, name: str, gpus: boo
         proc = ctx.Process(target=_enter, args=(here, target, args), name=name, daemon=True)
     proc.start()
     return proc
+
+
+def _start_mode() -> str:
+    mode = os.environ.get(WORKER_START_ENV, WORKER_START_MODES[0]) or WORKER_START_MODES[0]
+    if mode not in WORKER_START_MODES:
+        raise ClusterError(f"${WORKER_START_ENV}: {mode!r} is not one of {', '.join(WORKER_START_MODES)}")
+    return mode
 
 
 def prepare() -> None:

@@ -4,6 +4,7 @@ token, unified and P/D. Needs vLLM's environment (scripts/vllm-env.sh --nixl); s
 it. Each vLLM server takes a core and a minute or more to become healthy."""
 
 import os
+import subprocess
 
 import pytest
 
@@ -23,6 +24,12 @@ pytestmark = [pytest.mark.slow,  # vLLM servers: minutes
 
 UNIFIED = {"unified": {"devices": ["cpu:0"]}}
 PD = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "pull"}
+
+
+def has_nixl() -> bool:
+    """Whether vLLM's environment can import NIXL (vllm-env.sh without --nixl leaves it out)."""
+    return os.path.isfile(VLLM_PYTHON) and subprocess.run([VLLM_PYTHON, "-c", "import nixl"],
+                                                          capture_output=True).returncode == 0
 
 
 def vllm_outputs(reqs: list[list[int]], tmp_path, deployment: dict) -> dict[str, list[int]]:
@@ -50,6 +57,8 @@ def vllm_outputs(reqs: list[list[int]], tmp_path, deployment: dict) -> dict[str,
 @pytest.mark.parametrize("deployment", [UNIFIED, PD], ids=["unified", "pd-nixl"])
 def test_greedy_outputs_equal_pdlab_engine(tmp_path, deployment):
     """P/D: the decode server's output, after pulling the prefill server's KV over NIXL."""
+    if deployment is PD and not has_nixl():
+        pytest.skip(f"vLLM's environment ({VLLM_PYTHON}) has no NIXL; create it with scripts/vllm-env.sh --nixl")
     reqs = prompts(LENGTHS, vocab=4096, seed=8)
     ours, _ = run(engine("cpu-demo", block_size=16, prefix_caching=False), reqs, max_tokens=NEW_TOKENS)
     theirs = vllm_outputs(reqs, tmp_path, deployment)

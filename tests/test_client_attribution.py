@@ -3,10 +3,10 @@ another request prefilled on the same server was between its arrival and its fir
 on a few records, and against the engine-side attribution on a real run of pdlab's engine."""
 
 import os
-import subprocess
 import sys
 
 import pytest
+from cli_helpers import pdlab as pdlab_here
 
 from pdlab.measure.attribution import attribute_gaps
 from pdlab.measure.client_attribution import attribute_gaps_client, client_interference_summary
@@ -48,7 +48,7 @@ def test_client_side_bounds_the_engine_side_on_a_real_run(tmp_path):
            "--set", "rates=[40]", "--set", "workload.requests=16", "--set", "workload.output_len.value=24",
            "--set", "workload.input_len={kind: uniform, min: 200, max: 600}",
            "--set", "engine.kv_blocks=1024", "--set", "slo={ttft_ms: 5000, itl_ms: 1, itl_stat: p99}"]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    p = pdlab_here(*cmd[3:])
     assert p.returncode == 0, p.stderr
     reqs = [r for r in read_jsonl(str(out / "requests.jsonl")) if not r.get("warmup") and r["ok"]]
     steps = [s for s in read_jsonl(str(out / "steps.jsonl")) if not s.get("warmup")]

@@ -12,6 +12,7 @@ import time
 import urllib.request
 
 import pytest
+from cli_helpers import pdlab as pdlab_here
 
 from pdlab.diagnose.plan import Caps, Options, build_plan
 from pdlab.diagnose.session import measure
@@ -70,8 +71,7 @@ def fake(tmp_path):
 
 
 def diagnose(*args, env=None, check=True):
-    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "diagnose", *args], capture_output=True, text=True,
-                       env={**os.environ, **(env or {})}, cwd=ROOT, timeout=300)
+    p = pdlab_here("diagnose", *args, env=env)
     if check:
         assert p.returncode == 0, p.stderr
     return p

@@ -13,6 +13,7 @@ import urllib.request
 
 import pytest
 import yaml
+from cli_helpers import pdlab as pdlab_here
 
 from pdlab.external.server import free_port
 from test_run_faults import wait_for_requests
@@ -81,9 +82,8 @@ def recipe(tmp_path, variants: dict, **over) -> str:
     return str(path)
 
 
-def pdlab(*args, env=None, timeout=180):
-    return subprocess.run([sys.executable, "-m", "pdlab.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout)
+def pdlab(*args, env=None, timeout=None):
+    return pdlab_here(*args, env=env)
 
 
 def measured(out) -> list[dict]:

@@ -11,6 +11,7 @@ import sys
 import time
 
 import pytest
+from cli_helpers import pdlab as pdlab_here
 
 from pdlab.recipe import RecipeError, parse_recipe
 from test_run_faults import alive, wait_for_requests
@@ -37,7 +38,7 @@ def run(tmp_path, python, *sets, variants="unified", timeout=900):  # against a 
            "--set", "engine.backend=vllm", "--set", f"engine.python={python}"]
     for s in sets:
         cmd += ["--set", s]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    p = pdlab_here(*cmd[3:], env=env)
     return p, out, read_pids(pids)
 
 

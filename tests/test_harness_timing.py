@@ -10,12 +10,11 @@ benchmarks/bench_harness_timing.py, recorded in BENCHMARKS.md."""
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import yaml
+from cli_helpers import pdlab as pdlab_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPT, OUT = 40, 8
@@ -50,8 +49,7 @@ def double_run(tmp_path_factory):
     recipe = d / "double.yaml"
     recipe.write_text(yaml.safe_dump(RECIPE))
     out = str(d / "run")
-    r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(recipe), "--out", out], capture_output=True,
-                       text=True, timeout=600, cwd=ROOT)
+    r = pdlab_here("run", str(recipe), "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.load(open(os.path.join(out, "summary.json")))
     reqs = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl"))]

@@ -16,7 +16,8 @@ from proc_helpers import name_of, running
 
 def report(path: str, key: str) -> None:
     with open(path, "w") as f:
-        f.write(f"{os.environ.get(key)}|{os.getcwd()}|{os.getppid()}|{name_of(os.getpid())}")
+        f.write(f"{os.environ.get(key)}|{os.getcwd()}|{os.getppid()}|{name_of(os.getpid())}|"
+                f"{sorted(os.sched_getaffinity(0))}")
     print("to the starter's stdout", flush=True)
 
 
@@ -24,11 +25,17 @@ def test_a_forked_process_has_its_starters_environment_directory_and_outputs(tmp
     launch.prepare()  # the server exists before what follows changes: the child must still see it
     monkeypatch.setenv("PDLAB_TEST_MARK", "set-after-the-server-started")
     monkeypatch.chdir(tmp_path)
-    p = launch.start_process(report, (str(tmp_path / "out"), "PDLAB_TEST_MARK"), "pdlab-probe1")
+    cores = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(cores)})
+    try:
+        p = launch.start_process(report, (str(tmp_path / "out"), "PDLAB_TEST_MARK"), "pdlab-probe1")
+    finally:
+        os.sched_setaffinity(0, cores)
     p.join(60)
     assert p.exitcode == 0
-    mark, cwd, ppid, name = (tmp_path / "out").read_text().split("|")
+    mark, cwd, ppid, name, cores_seen = (tmp_path / "out").read_text().split("|")
     assert mark == "set-after-the-server-started" and cwd == str(tmp_path) and name == "pdlab-probe1"
+    assert cores_seen == str([min(cores)])  # the starter's cores when it started the process
     assert int(ppid) != os.getpid()  # a fork of the server, not a child of ours
     assert "to the starter's stdout" in capfd.readouterr().out
 

@@ -5,11 +5,10 @@ simulator (`pdlab run --simulate`): request by request, the same route and the s
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
+from cli_helpers import pdlab as pdlab_here
 
 from pdlab.recipe import parse_recipe
 from pdlab.serve.placement import (WorkerView, after_failed_handover, choose_decode, least_loaded, mirrors_caches,
@@ -180,8 +179,7 @@ def test_workers_and_the_simulator_place_every_request_alike(tmp_path):
     got = {}
     for how, flags in (("workers", []), ("simulated", ["--simulate"])):
         out = str(tmp_path / how)
-        r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", path, "--out", out, *flags],
-                           capture_output=True, text=True, timeout=600, cwd=ROOT)
+        r = pdlab_here("run", path, "--out", out, *flags)
         assert r.returncode == 0, r.stderr[-3000:]
         with open(os.path.join(out, "requests.jsonl")) as f:
             got[how] = placements(json.loads(line) for line in f)

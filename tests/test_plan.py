@@ -3,11 +3,10 @@ and validation rows from real (timed) runs of the best."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
+from cli_helpers import pdlab as pdlab_here
 
 from pdlab.recipe import parse_recipe
 from pdlab.sim.plan import candidates, closed_form, plan
@@ -62,9 +61,8 @@ def test_plan_ranks_by_simulated_goodput():
 @pytest.mark.slow
 def test_pdlab_plan_prints_a_ranking_and_validation_rows(tmp_path):
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(RECIPE))
-    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "plan", str(tmp_path / "r.yaml"), "--devices", "2",
-                        "--validate", "1", "--out", str(tmp_path / "plan"), "--json"],
-                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    p = pdlab_here("plan", str(tmp_path / "r.yaml"), "--devices", "2", "--validate", "1", "--out",
+                   str(tmp_path / "plan"), "--json")
     assert p.returncode == 0, p.stderr[-2000:]
     out = json.loads(p.stdout)  # the validation run's progress goes to stderr
     assert [x["candidate"] for x in out["ranking"]][0] == out["validation"][0]["candidate"]

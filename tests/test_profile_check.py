@@ -11,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 import yaml
+from cli_helpers import pdlab as pdlab_here
 
 from engine_helpers import prompts
 from pdlab.constants import PROFILE_CHECK_MAPE_PCT
@@ -255,8 +256,7 @@ def test_a_timed_run_ends_with_the_profile_check_and_pdlab_profile_checks_it(tmp
               "slo": {"ttft_ms": 2000, "itl_ms": 200}, "deployment": {"unified": {"devices": ["cpu:0"]}}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(recipe))
     out = str(tmp_path / "run")
-    r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(tmp_path / "r.yaml"), "--out", out],
-                       capture_output=True, text=True, cwd=ROOT, timeout=900)
+    r = pdlab_here("run", str(tmp_path / "r.yaml"), "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     last = [ln for ln in r.stdout.splitlines() if ln.startswith("profile check: ")]
     assert len(last) == 1 and last[0].startswith("profile check: default: timed steps against profile box")
@@ -265,11 +265,9 @@ def test_a_timed_run_ends_with_the_profile_check_and_pdlab_profile_checks_it(tmp
     assert c["steps"] > 0 and {k for k, e in c["kinds"].items() if e["steps"]} == {"prefill", "decode"}
     assert all(e["ratio"] >= 1.0 - 1e-6 for e in c["kinds"].values() if e["steps"])  # never shorter than the model
     assert c["host"]["samples"]["gaps"] > 0
-    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "profile", "--check", out], capture_output=True,
-                       text=True, cwd=ROOT, timeout=300)
+    p = pdlab_here("profile", "--check", out)
     assert p.returncode == 0 and "default: timed steps against profile box (its model.timing): MAPE" in p.stdout
-    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "profile", "--check", str(tmp_path / "nowhere")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    p = pdlab_here("profile", "--check", str(tmp_path / "nowhere"))
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "nowhere" in p.stderr
     np.testing.assert_equal(len(s["profile_check"]["lines"]), 1)
 

@@ -4,11 +4,10 @@ what each resolved to. The calibration is checked against later measurements on 
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
+from cli_helpers import pdlab as pdlab_here
 
 from pdlab.measure.box import calibration_check
 from pdlab.recipe import RecipeError, parse_recipe
@@ -44,8 +43,7 @@ def test_simulated_runs_resolve_them_against_the_models_request_alone(tmp_path):
     recipe = tmp_path / "rel.yaml"
     recipe.write_text(yaml.safe_dump(RAW))
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(recipe), "--out", str(out), "--simulate"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    p = pdlab_here("run", str(recipe), "--out", str(out), "--simulate")
     assert p.returncode == 0, p.stderr[-2000:]
     s = json.load(open(out / "summary.json"))
     alone = s["alone"]["ttft_ms"]
@@ -60,8 +58,7 @@ def test_a_run_resolves_them_after_the_calibration(tmp_path):
     recipe = tmp_path / "rel.yaml"
     recipe.write_text(yaml.safe_dump({**RAW, "rates": ["0.5x"], "variants": {"unified": RAW["variants"]["unified"]}}))
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(recipe), "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    p = pdlab_here("run", str(recipe), "--out", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     s = json.load(open(out / "summary.json"))
     rate = 500.0 / s["alone"]["ttft_ms"]

@@ -4,20 +4,14 @@ import json
 import multiprocessing
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
+from cli_helpers import pdlab
 from pdlab.measure.records import load_run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")
-
-
-def pdlab(*args, timeout=900):  # a deadline against a hang, not a speed bound (a loaded box is slow)
-    return subprocess.run([sys.executable, "-m", "pdlab.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
 
 
 def free_port() -> int:
@@ -177,7 +171,7 @@ def test_bad_recipes_fail_in_one_line_and_start_nothing(args, msg, tmp_path):
 
 def test_missing_recipe_file(tmp_path):
     """As the installed command, in a process of its own: one line, exit 2, no traceback."""
-    r = pdlab("run", str(tmp_path / "nope.yaml"), timeout=60)
+    r = pdlab("run", str(tmp_path / "nope.yaml"))
     assert r.returncode == 2 and "not found" in r.stderr and "Traceback" not in r.stderr
 
 
@@ -211,17 +205,16 @@ def test_control_plane_over_loopback_tcp(tiny_run):
 
 @pytest.mark.slow  # the doctor's probes and a model load
 def test_doctor_and_generate_commands():
-    r = pdlab("doctor", "--probe-mb", "1", timeout=120)
+    r = pdlab("doctor", "--probe-mb", "1")
     assert r.returncode == 0 and "shm" in r.stdout and "Traceback" not in r.stderr, r.stderr
     # the kernels' build and a cpu-demo worker's choice per kernel; with a compiler here they must have built
     assert "CPU kernels (pdlab.engine.cpu_kernel): " in r.stdout
     if shutil.which(os.environ.get("CC") or "cc"):
         assert "CPU kernels (pdlab.engine.cpu_kernel): built;" in r.stdout, r.stdout
         assert r.stdout.count("decode_attention: kernel") + r.stdout.count("decode_attention: torch: slower") == 1
-    r = pdlab("generate", "--model", "tiny-llama", "--prompts", "2", "--prompt-len", "16", "--max-tokens", "4",
-              timeout=120)
+    r = pdlab("generate", "--model", "tiny-llama", "--prompts", "2", "--prompt-len", "16", "--max-tokens", "4")
     assert r.returncode == 0 and "8 new tokens" in r.stdout, r.stdout + r.stderr
-    r = pdlab("generate", "--model", "/no/such/model", timeout=120)
+    r = pdlab("generate", "--model", "/no/such/model")
     assert r.returncode == 2 and "does not exist" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from cli_helpers import pdlab as pdlab_here
 
 from proc_helpers import descendants, name_of
 
@@ -104,8 +105,7 @@ def test_ctrl_c_keeps_what_was_measured(tmp_path):
     measured = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl")) if '"warmup"' not in x]
     assert len(measured) >= 3
     # the cut run still compares, and says it is partial
-    c = subprocess.run([sys.executable, "-m", "pdlab.cli", "compare", out], capture_output=True, text=True,
-                       cwd=ROOT, timeout=300)
+    c = pdlab_here("compare", out)
     assert c.returncode == 3 and "Traceback" not in c.stderr, c.stderr  # 3: printed, but the run is partial
     assert "None" not in c.stdout and "disagg (partial)" in c.stdout and "PARTIAL" in c.stdout, c.stdout
 
@@ -117,11 +117,9 @@ def test_failed_hand_overs_in_a_run_are_failed_misses_or_recomputed(tmp_path):
     `recompute` every request is served, token for token as unified, and says it was recomputed."""
     out = str(tmp_path / "faults")
     dep = "{prefill: {devices: [cpu:0]}, decode: {devices: [cpu:1]}, transfer_timeout_s: 1, on_transfer_failure: %s}"
-    r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", TINY, "--out", out, "--set", "rates=[20]",
-                        "--set", f"variants.disagg.deployment={dep % 'fail'}",
-                        "--set", f"variants.recompute.deployment={dep % 'recompute'}"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "PDLAB_KV_FAULT": "drop:3"})
+    r = pdlab_here("run", TINY, "--out", out, "--set", "rates=[20]",
+                   "--set", f"variants.disagg.deployment={dep % 'fail'}",
+                   "--set", f"variants.recompute.deployment={dep % 'recompute'}", env={"PDLAB_KV_FAULT": "drop:3"})
     assert r.returncode == 0, r.stderr[-2000:]
     reqs = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl")) if '"warmup"' not in x]
     by = {v: {q["id"]: q for q in reqs if q["variant"] == v} for v in ("unified", "disagg", "recompute")}

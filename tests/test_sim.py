@@ -10,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import yaml
+from cli_helpers import pdlab as pdlab_here
 
 from pdlab.measure.summary import summarize_run
 from pdlab.recipe import parse_recipe
@@ -183,12 +184,10 @@ def test_run_simulate_writes_a_run_directory(tmp_path):
     assert p.returncode == 2 and "--simulate: variant pull has no model.timing; give it a profile" in p.stderr  # yaml sorts keys
     # a recipe may ask for virtual time itself (simulate: true); the CLI's --no-simulate overrides it
     (tmp_path / "sim.yaml").write_text(yaml.safe_dump(dict(raw, simulate=True)))
-    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(tmp_path / "sim.yaml"), "--out",
-                        str(tmp_path / "s")], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    p = pdlab_here("run", str(tmp_path / "sim.yaml"), "--out", str(tmp_path / "s"))
     assert p.returncode == 0 and modelled_line(p.stdout, "u").startswith("simulated in virtual time"), p.stderr
     (tmp_path / "simreal.yaml").write_text(yaml.safe_dump(dict(real, simulate=True)))
-    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(tmp_path / "simreal.yaml")],
-                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    p = pdlab_here("run", str(tmp_path / "simreal.yaml"))
     assert p.returncode == 2 and "error: simulate: true: variant pull has no model.timing" in p.stderr
 
 

@@ -4,11 +4,10 @@ timing is modelled."""
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
+from cli_helpers import pdlab as pdlab_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = {"name": "pretend-gpu", "source": "analytic", "device": "a pretend GPU", "date": "2026-11-30",
@@ -33,8 +32,7 @@ def timed_run(tmp_path_factory):
                            "push": {"deployment": dict(DISAGG, mode="push")}}}
     (d / "timed.yaml").write_text(yaml.safe_dump(recipe))
     out = str(d / "run")
-    r = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(d / "timed.yaml"), "--out", out],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = pdlab_here("run", str(d / "timed.yaml"), "--out", out)
     assert r.returncode == 0, r.stderr[-2000:]
     return out, r.stdout
 

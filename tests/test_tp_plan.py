@@ -5,12 +5,11 @@ models built at test time; a model without a plan, or with one pdlab cannot hono
 its model type before anything starts."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 import yaml
+from cli_helpers import pdlab as pdlab_here
 
 import engine_helpers as eh
 from pdlab.engine.tp_plan import Piece, TpPlanError, check_plan, layer_plan
@@ -81,8 +80,7 @@ def test_a_tp_recipe_on_a_model_without_a_usable_plan_stops_before_anything_star
                                       "variants": {"tp2": {"deployment": {"unified": {"devices": ["cpu:0-1"],
                                                                                       "tp": 2}}}}}))
     out = tmp_path_factory.mktemp("out") / "run"
-    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(recipe), "--out", str(out)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=300)
+    p = pdlab_here("run", str(recipe), "--out", str(out))
     assert p.returncode == 2, p.stderr
     assert "variants.tp2.deployment: tp 2: model type olmo2" in p.stderr and "Traceback" not in p.stderr
     assert not out.exists() or not os.listdir(out)

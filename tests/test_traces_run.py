@@ -2,11 +2,10 @@
 run reports the trace's own reuse beside the prefix-hit rate its engines reached."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 import yaml
+from cli_helpers import pdlab as pdlab_here
 
 from pdlab.measure.summary import summarize_run
 from pdlab.recipe import parse_recipe
@@ -67,8 +66,7 @@ def test_pdlab_run_stops_on_a_malformed_trace_before_anything_starts(tmp_path):
     raw = {**RECIPE, "rates": [1], "workload": {"trace": {"format": "mooncake", "path": str(bad)}}}
     (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
     out = tmp_path / "run"
-    p = subprocess.run([sys.executable, "-m", "pdlab.cli", "run", str(tmp_path / "r.yaml"), "--out", str(out),
-                        "--simulate"], capture_output=True, text=True, timeout=300)
+    p = pdlab_here("run", str(tmp_path / "r.yaml"), "--out", str(out), "--simulate")
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip().splitlines() == [f"pdlab run: error: {bad}:2: negative input_length (-4)"]
     assert not out.exists()

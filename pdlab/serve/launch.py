@@ -8,8 +8,8 @@ and nothing here can promise that of the server for every driver and torch build
 GPU is spawned, as before, and so is every process under PDLAB_WORKER_START=spawn (a sitecustomize or
 another import-time hook runs in each process then).
 
-What a forked process would otherwise lose, it is given: the fork server holds the environment, directory
-and outputs pdlab had when the server started, so each process takes on ours at its start; and it is ended
+What a forked process would otherwise lose, it is given: the fork server holds the environment, directory,
+CPU affinity and outputs pdlab had when the server started, so each process takes on ours at its start; and it is ended
 with the process that started it (a pipe whose other end only that process holds, read by a thread), since
 PR_SET_DEATHSIG would tie it to the server.
 """
@@ -40,7 +40,7 @@ def start_process(target: Callable[..., None], args: tuple, name: str, gpus: boo
     else:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(list(WORKER_PRELOAD))  # read when the server starts: once per pdlab process
-        here = (dict(os.environ), os.getcwd(), _Fd(1), _Fd(2), _Fd(_lifeline_end()), name)
+        here = (dict(os.environ), os.getcwd(), _affinity(), _Fd(1), _Fd(2), _Fd(_lifeline_end()), name)
         proc = ctx.Process(target=_enter, args=(here, target, args), name=name, daemon=True)
     proc.start()
     return proc
@@ -83,7 +83,7 @@ def _lifeline_end() -> int:
 
 def _enter(here: tuple, target: Callable[..., None], args: tuple) -> None:
     """First thing in a forked process: what a spawned child would have had from its starter, then `target`."""
-    env, cwd, out, err, lifeline, name = here
+    env, cwd, cores, out, err, lifeline, name = here
     # every child of a fork server holds the pipe whose EOF tells the server that its clients are gone: with
     # ours held, the server would outlive pdlab as long as we run
     try:
@@ -99,6 +99,11 @@ def _enter(here: tuple, target: Callable[..., None], args: tuple) -> None:
         os.chdir(cwd)
     except OSError:  # removed since: stay where the fork server is
         pass
+    if cores is not None:
+        try:
+            os.sched_setaffinity(0, cores)
+        except OSError:  # cores gone since (a cgroup changed): keep the fork server's
+            pass
     for fd, own in ((out, 1), (err, 2)):
         if fd is not None:
             os.dup2(fd, own)
@@ -108,6 +113,13 @@ def _enter(here: tuple, target: Callable[..., None], args: tuple) -> None:
     except Exception:  # noqa: BLE001 - not Linux: ps shows python
         pass
     target(*args)
+
+
+def _affinity() -> Optional[set[int]]:
+    try:
+        return os.sched_getaffinity(0)
+    except (AttributeError, OSError):  # not Linux
+        return None
 
 
 def _end_with_starter(fd: int) -> None:

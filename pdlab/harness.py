@@ -32,6 +32,7 @@ from pdlab.measure.transports import TransportPaths
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.recipe.recipe import relative_rate
 from pdlab.serve import topology
+from pdlab.serve.launch import start_mode
 from pdlab.serve.sharing import host_cores
 from pdlab.workload import Workload, WorkloadRequest, build_requests, trace_facts
 
@@ -65,8 +66,12 @@ class Alone:
 
 
 def check_machine(recipe: Recipe) -> None:
-    """Every variant's devices exist on this machine, checked before any process starts (raises ClusterError)."""
-
+    """Every variant's devices exist on this machine, and workers can be started as $PDLAB_WORKER_START says;
+    checked before any process starts (raises ClusterError)."""
+    try:
+        start_mode()
+    except ValueError as e:
+        raise topology.ClusterError(str(e)) from None
     for v in recipe.variants.values():
         if v.deployment.endpoint is None:  # an endpoint runs on its own machines
             topology.place(v.deployment)

@@ -29,10 +29,11 @@ def _within(cwd: str, env: dict | None):
         os.sched_setaffinity(0, old_cores)
 
 
-def pdlab(*args: str, cwd: str = ROOT, env: dict | None = None) -> subprocess.CompletedProcess:
+def pdlab(*args: str, cwd: str = ROOT, env: dict | None = None, timeout: float | None = None) -> \
+        subprocess.CompletedProcess:
     """Run `pdlab ARGS`; returns what subprocess.run(capture_output=True, text=True) would. An exception the
     command did not turn into an exit code fails the test (it would be a traceback for a user); so does a
-    process it left running."""
+    process it left running. `timeout` is not enforced here: a hang is the suite's own timeout's to catch."""
     from typer.testing import CliRunner
 
     from pdlab.cli import app

@@ -10,8 +10,10 @@ import time
 import pytest
 
 from pdlab.serve import launch
-from pdlab.serve.topology import ClusterError
+from cli_helpers import ROOT, pdlab
 from proc_helpers import name_of, running
+
+TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")
 
 
 def report(path: str, key: str) -> None:
@@ -47,8 +49,12 @@ def test_spawn_on_request(tmp_path, monkeypatch):
     assert p.exitcode == 0
     assert (tmp_path / "out").read_text().split("|")[2] == str(os.getpid())  # our own child
     monkeypatch.setenv("PDLAB_WORKER_START", "fork")
-    with pytest.raises(ClusterError, match="PDLAB_WORKER_START"):
+    with pytest.raises(ValueError, match="PDLAB_WORKER_START"):
         launch.start_process(report, (str(tmp_path / "x"), "X"), "pdlab-probe3")
+    r = pdlab("run", TINY, "--out", str(tmp_path / "run"))  # said before anything starts
+    assert r.returncode == 2 and r.stderr.strip() == \
+        "pdlab run: error: $PDLAB_WORKER_START: 'fork' is not one of fork-server, spawn"
+    assert not (tmp_path / "run").exists()
 
 
 STARTER = """

@@ -27,7 +27,6 @@ from multiprocessing import forkserver, reduction, resource_tracker
 from typing import Any, Callable, Optional
 
 from pdlab.constants import WORKER_PRELOAD, WORKER_START_ENV, WORKER_START_MODES
-from pdlab.serve.topology import ClusterError
 
 _lifeline: Optional[tuple[int, int, int]] = None  # (read end, write end, the pid that made it)
 
@@ -35,7 +34,7 @@ _lifeline: Optional[tuple[int, int, int]] = None  # (read end, write end, the pi
 def start_process(target: Callable[..., None], args: tuple, name: str, gpus: bool = False) -> Any:
     """Start `target(*args)` in a daemonic process called `name` (also its OS-level name, as ps and top show
     it: pdlab-decode0); returns its multiprocessing.Process."""
-    if gpus or _start_mode() == "spawn":
+    if gpus or start_mode() == "spawn":
         proc = mp.get_context("spawn").Process(target=target, args=args, name=name, daemon=True)
     else:
         ctx = mp.get_context("forkserver")
@@ -46,10 +45,12 @@ def start_process(target: Callable[..., None], args: tuple, name: str, gpus: boo
     return proc
 
 
-def _start_mode() -> str:
+def start_mode() -> str:
+    """$PDLAB_WORKER_START, one of WORKER_START_MODES (ValueError otherwise: `pdlab run` checks it before
+    anything starts)."""
     mode = os.environ.get(WORKER_START_ENV, WORKER_START_MODES[0]) or WORKER_START_MODES[0]
     if mode not in WORKER_START_MODES:
-        raise ClusterError(f"${WORKER_START_ENV}: {mode!r} is not one of {', '.join(WORKER_START_MODES)}")
+        raise ValueError(f"${WORKER_START_ENV}: {mode!r} is not one of {', '.join(WORKER_START_MODES)}")
     return mode
 
 

@@ -154,6 +154,7 @@ def test_switched_off_or_without_a_compiler_the_torch_path_is_used(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow
 @needs_cc
 @pytest.mark.skipif("sse2" not in FLAGS, reason="x86-64 targets only")
 def test_the_process_build_takes_its_target_from_the_environment(tmp_path, monkeypatch):

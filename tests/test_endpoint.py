@@ -193,6 +193,7 @@ def test_a_bad_endpoint_is_one_line_and_exit_2(tmp_path, servers, case):
     assert not (out / "requests.jsonl").exists()  # nothing measured
 
 
+@pytest.mark.slow
 def test_a_server_killed_mid_run_ends_it_with_partial_records(tmp_path, servers):
     s = servers("--token-s", "0.05")
     path = recipe(tmp_path, {"svc": endpoint(s)}, rates=[2],

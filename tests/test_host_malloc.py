@@ -12,6 +12,7 @@ CODE = ("from pdlab.engine import Engine, EngineConfig, load_model\n"
         "print(host_malloc._applied)\n")
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 @pytest.mark.parametrize("env,want", [({}, "True"), ({"PDLAB_MALLOC_TUNE": "0"}, "False")])
 def test_a_cpu_engine_tunes_malloc_once_unless_told_not_to(env, want):

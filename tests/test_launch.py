@@ -69,6 +69,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow
 def test_a_forked_process_ends_when_its_starter_is_killed(tmp_path):
     """PR_SET_PDEATHSIG would tie it to the fork server: a lifeline pipe ties it to pdlab itself."""
     script = tmp_path / "starter.py"

@@ -191,6 +191,7 @@ def test_run_simulate_writes_a_run_directory(tmp_path):
     assert p.returncode == 2 and "error: simulate: true: variant pull has no model.timing" in p.stderr
 
 
+@pytest.mark.slow
 def test_the_mori_table_shows_the_essays_pattern_at_8_req_s():
     """recipes/mori-table.yaml, cut to 30 requests at 8 req/s: unified misses on ITL only (prefills stall
     every running request), disaggregated has no ITL miss and no prefill interruption, and pays in TTFT."""

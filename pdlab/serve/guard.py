@@ -116,10 +116,13 @@ class Guard:
         return f"refused {n} connection attempt{'s' if n != 1 else ''} ({'; '.join(items)})"
 
     def close(self) -> None:
-        """Stop the thread (it closes its own sockets) and the router socket's monitor; before the context ends."""
-        self._stop.set()
-        self._thread.join()
+        """Stop the router socket's monitor, then the thread (it closes its own sockets); before the context ends.
+
+        In that order: stopping a monitor sends a last event to its PAIR socket, and a PAIR send with no peer
+        blocks. With the thread's end of the pair closed first, `pdlab run` hung at exit now and then."""
         try:
             self._sock.disable_monitor()
         except Exception:  # noqa: BLE001 - the router socket may already be closed
             pass
+        self._stop.set()
+        self._thread.join()

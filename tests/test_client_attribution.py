@@ -6,8 +6,8 @@ import os
 import sys
 
 import pytest
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 from pdlab.measure.attribution import attribute_gaps
 from pdlab.measure.client_attribution import attribute_gaps_client, client_interference_summary
 from pdlab.measure.records import read_jsonl

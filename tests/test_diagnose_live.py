@@ -12,8 +12,8 @@ import time
 import urllib.request
 
 import pytest
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 from pdlab.diagnose.plan import Caps, Options, build_plan
 from pdlab.diagnose.session import measure
 from pdlab.external.server import free_port

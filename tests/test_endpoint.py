@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 import yaml
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 from pdlab.external.server import free_port
 from test_run_faults import wait_for_requests
 

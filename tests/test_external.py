@@ -11,10 +11,11 @@ import sys
 import time
 
 import pytest
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 from pdlab.recipe import RecipeError, parse_recipe
-from test_run_faults import alive, wait_for_requests
+from proc_helpers import running
+from test_run_faults import wait_for_requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")
@@ -48,9 +49,9 @@ def read_pids(path) -> list[int]:
 
 def no_survivor(pids: list[int]) -> None:
     deadline = time.monotonic() + 30  # killed processes may take a moment to leave on a loaded box
-    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+    while any(running(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [p for p in pids if alive(p)], "server processes left running"
+    assert not [p for p in pids if running(p)], "server processes left running"
     # --fake-child's engine stand-in maps a psm_* segment it never removes, as vLLM's CPU engine does
     assert not [p for p in pids if os.path.exists(f"/dev/shm/psm_fake_{p}")], "shared memory left behind"
 

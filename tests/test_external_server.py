@@ -10,7 +10,7 @@ import pytest
 from pdlab.external.loop import ClientLoop
 from pdlab.external.server import HOST, Server, ServerError, ServerSpec, free_port
 from pdlab.external.stream import chunk_tokens, completion_body, stream_completion
-from test_run_faults import alive
+from proc_helpers import running
 
 FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fake_vllm.py")
 
@@ -47,7 +47,7 @@ def test_tokens_of_one_chunk_share_the_chunk_time(server, tmp_path):
     assert final["usage"]["completion_tokens"] == 7 and final["finish_reason"] == "length"
     pids = [int(x) for x in open(tmp_path / "pids").read().split()]
     server.stop()
-    assert not [p for p in pids if alive(p)], "the server's child outlived stop()"
+    assert not [p for p in pids if running(p)], "the server's child outlived stop()"
 
 
 def test_a_port_in_use_is_refused_before_starting(tmp_path):

@@ -14,6 +14,7 @@ import os
 import numpy as np
 import pytest
 import yaml
+
 from cli_helpers import pdlab as pdlab_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

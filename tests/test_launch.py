@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from pdlab.serve import launch
 from cli_helpers import ROOT, pdlab
+from pdlab.serve import launch
 from proc_helpers import name_of, running
 
 TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")

@@ -22,6 +22,7 @@ import pytest
 
 from pdlab.measure.records import load_run
 from pdlab.recipe.nixl import nixl_module
+from proc_helpers import running
 from tests.test_run import ROOT
 
 pytestmark = [pytest.mark.slow,
@@ -112,8 +113,7 @@ def gone(pids, timeout=30):
     deadline = time.monotonic() + timeout
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if os.path.exists(f"/proc/{p}") and
-                 open(f"/proc/{p}/stat").read().split(")")[1].split()[0] != "Z"]
+        alive = [p for p in alive if running(p)]
         time.sleep(0.2)
     return not alive
 

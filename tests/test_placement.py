@@ -8,8 +8,8 @@ import os
 
 import pytest
 import yaml
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 from pdlab.recipe import parse_recipe
 from pdlab.serve.placement import (WorkerView, after_failed_handover, choose_decode, least_loaded, mirrors_caches,
                                    place_arrival, prefill_locally)

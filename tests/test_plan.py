@@ -6,8 +6,8 @@ import os
 
 import pytest
 import yaml
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 from pdlab.recipe import parse_recipe
 from pdlab.sim.plan import candidates, closed_form, plan
 

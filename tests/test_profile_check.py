@@ -11,9 +11,10 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 from engine_helpers import prompts
+from proc_helpers import descendants, running
 from pdlab.constants import PROFILE_CHECK_MAPE_PCT
 from pdlab.engine import Engine, EngineConfig, SamplingParams
 from pdlab.engine.model import load_stand_in
@@ -301,18 +302,12 @@ def test_ctrl_c_ends_pdlab_profile_and_its_measuring_process(tmp_path):
         deadline = time.monotonic() + 300
         while "measuring in a process" not in (line := p.stdout.readline()):  # the measuring process is up
             assert line and time.monotonic() < deadline, p.stderr.read()
-        kids = subprocess.run(["pgrep", "-P", str(p.pid)], capture_output=True, text=True).stdout.split()
+        kids = descendants(p.pid)  # the measuring process, the fork server it came from, the resource tracker
         p.send_signal(signal.SIGINT)
         _, err = p.communicate(timeout=120)
     finally:
         p.kill()
     assert p.returncode == 130 and err.strip().splitlines()[-1] == "interrupted (Ctrl-C): nothing written"
-    def running(pid: str) -> bool:  # a zombie (exited, not yet reaped by whoever inherited it) is not running
-        try:
-            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-        except OSError:
-            return False
-
     deadline = time.monotonic() + 10
     while any(running(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.2)

@@ -7,8 +7,8 @@ import os
 
 import pytest
 import yaml
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 from pdlab.measure.box import calibration_check
 from pdlab.recipe import RecipeError, parse_recipe
 from pdlab.recipe.recipe import relative_rate

@@ -10,23 +10,14 @@ import sys
 import time
 
 import pytest
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 from proc_helpers import descendants, name_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")
 LONG = ["--set", "workload.requests=60", "--set", "workload.output_len.value=40", "--set", "rates=[4]",
         "--variants", "disagg"]
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead for our purposes
-        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def start_run(out: str, extra: tuple = ()) -> subprocess.Popen:

@@ -20,8 +20,7 @@ import pytest
 
 import engine_helpers as eh
 from pdlab.kv import shm
-from proc_helpers import descendants, workers_of
-from test_run_faults import alive
+from proc_helpers import descendants, running, workers_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")
@@ -123,9 +122,9 @@ class Served:
 
     def nothing_left(self) -> None:
         deadline = time.monotonic() + 10
-        while any(alive(p) for p in self.children) and time.monotonic() < deadline:
+        while any(running(p) for p in self.children) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not [p for p in self.children if alive(p)], "processes left running"
+        assert not [p for p in self.children if running(p)], "processes left running"
         assert not (self.segments & pdlab_segments()), "shared memory left behind"
         with socket.socket() as s:  # the port is free again
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 import yaml
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 from pdlab.measure.summary import summarize_run
 from pdlab.recipe import parse_recipe
 from pdlab.sim.experiment import simulate_recipe

@@ -7,6 +7,7 @@ import os
 
 import pytest
 import yaml
+
 from cli_helpers import pdlab as pdlab_here
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 import yaml
-from cli_helpers import pdlab as pdlab_here
 
+from cli_helpers import pdlab as pdlab_here
 import engine_helpers as eh
 from pdlab.engine.tp_plan import Piece, TpPlanError, check_plan, layer_plan
 from test_cluster import Cluster, _drain, _no_leftovers

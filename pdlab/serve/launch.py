@@ -58,7 +58,7 @@ def prepare() -> None:
     """Start the fork server and wait until it has imported WORKER_PRELOAD, so that the next start_process
     returns at once where it would wait seconds for those imports: for a process that must keep answering
     while it starts workers (a node's agent heartbeats to its router)."""
-    start_process(_nothing, (), "pdlab-prepare").join()
+    start_process(_none, (), "pdlab-prepare").join()
 
 
 def stop_helpers() -> None:
@@ -131,10 +131,6 @@ def _end_with_starter(fd: int) -> None:
     except OSError:
         pass
     os.kill(os.getpid(), signal.SIGTERM)
-
-
-def _nothing() -> None:
-    pass
 
 
 class _Fd:

@@ -58,7 +58,7 @@ def job_for(model: str, dtype: str, device: str, cores: list[int], steps: int, s
 
 
 def measure(job: Job, progress: Optional[Callable[[str], None]] = None) -> dict:
-    """Run `job` in a spawned, pinned process; returns what it measured (see `_measure`). Raises
+    """Run `job` in a pinned process started as a worker is (pdlab.serve.launch); returns what it measured (see `_measure`). Raises
     MeasureError with the child's one-line reason."""
     recv, send = mp.Pipe(duplex=False)
     proc = start_process(_child, (asdict(job), send), "pdlab-profile", gpus=bool(job.visible_gpus))

@@ -1,3 +1,4 @@
+import collections
 import os
 import signal
 
@@ -15,6 +16,12 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 def pytest_collection_modifyitems(config, items):
+    # The suite runs in two processes (pytest-xdist, `--dist loadfile` in pyproject: a module's tests stay in one
+    # process, so a module-scoped fixture, such as a run several tests read, runs once). A module is handed to
+    # whichever process is free, so the modules with the most end-to-end tests go first and the quick ones fill
+    # in at the end, rather than one process finishing a long module alone.
+    slow = collections.Counter(item.module.__name__ for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.module.__name__])  # stable: the order within a module is kept
     try:
         import torch
 

@@ -29,6 +29,18 @@ def test_keys_init_writes_files_only_the_owner_can_read(tmp_path):
     assert "secret-key" not in (d / "server.key").read_text()  # the public halves hold no secret
 
 
+def test_the_keys_init_command_writes_them_and_says_how_to_use_them(tmp_path):
+    from cli_helpers import pdlab
+
+    d = tmp_path / "keys"
+    r = pdlab("keys", "init", str(d))
+    assert r.returncode == 0, r.stderr
+    assert "wrote 4 key files" in r.stdout and f"--keys {d}" in r.stdout
+    assert ClusterKeys.load(str(d), server=True).server_secret
+    again = pdlab("keys", "init", str(d))  # never overwritten: one line, exit 2
+    assert again.returncode == 2 and "never overwritten" in again.stderr and again.stderr.count("\n") == 1
+
+
 def test_keys_are_never_overwritten_and_loose_ones_are_refused(tmp_path):
     d = tmp_path / "keys"
     init_keys(str(d))

@@ -21,6 +21,7 @@ import time
 import pytest
 
 from pdlab.measure.records import load_run
+from pdlab.serve.curve import init_keys
 from pdlab.recipe.nixl import nixl_module
 from proc_helpers import running
 from tests.test_run import ROOT
@@ -73,8 +74,7 @@ def run(*args, cwd, timeout=600):
 
 
 def new_keys(path):
-    rc, out, err = run("keys", "init", str(path), cwd=ROOT)
-    assert rc == 0, err
+    init_keys(str(path))  # what `pdlab keys init` writes (tests/test_keys.py runs the command)
     return str(path)
 
 
@@ -190,11 +190,12 @@ def test_the_agent_killed_mid_run_ends_the_run_partial_with_what_it_measured(tmp
 def test_an_agent_with_another_clusters_keys_is_refused_and_the_run_says_so(tmp_path):
     port, keys = free_port(), new_keys(tmp_path / "keys")
     node = Node(tmp_path, port, new_keys(tmp_path / "other-keys"))
-    a = router_dir(tmp_path, port, keys, join=20)
+    a = router_dir(tmp_path, port, keys, join=10)
     try:
+        node.wait_for("joining")  # its imports done: it knocks within the run's 10 s
         rc, out, err = run("run", "recipe.yaml", "--out", "run", "--variants", "two-nodes", cwd=a)
         assert rc == 1, err[-3000:]
-        assert "node b did not join within 20s" in err and "refused" in err and "keys" in err, err[-3000:]
+        assert "node b did not join within 10s" in err and "refused" in err and "keys" in err, err[-3000:]
         assert "refused a peer" in err  # logged when it happened
         assert "refused by" in node.text() and "started" not in node.text()
         assert node.proc.poll() is None  # it keeps waiting for a router with its keys

@@ -1,7 +1,6 @@
 """A run cut short — a worker killed with SIGKILL, or Ctrl-C — ends cleanly: exit code, partial summary,
 records kept, no orphan process, no shared memory left behind."""
 
-import glob
 import json
 import os
 import signal
@@ -12,7 +11,7 @@ import time
 import pytest
 
 from cli_helpers import pdlab as pdlab_here
-from proc_helpers import descendants, name_of
+from proc_helpers import descendants, name_of, run_prefixes, segments_with
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")
@@ -36,10 +35,10 @@ def wait_for_requests(out: str, proc: subprocess.Popen, timeout: float = 600) ->
     raise AssertionError("the run produced no measured request in time")
 
 
-def check_clean(out: str, workers: list[int], shm_before: set) -> dict:
+def check_clean(out: str, workers: list[int], prefixes: set) -> dict:
     # pdlab has exited: it waited for every child, so none is left, not even as a zombie re-parented to init
     assert not [p for p in workers if os.path.exists(f"/proc/{p}")], "a child of pdlab was not waited for"
-    assert set(glob.glob("/dev/shm/pdlab-*")) - shm_before == set(), "leaked shared memory"
+    assert prefixes and not segments_with(prefixes), "leaked shared memory"
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     assert summary["partial"] is True and summary["reason"]
@@ -50,18 +49,18 @@ def check_clean(out: str, workers: list[int], shm_before: set) -> dict:
 
 def cut_run(out: str, cut, extra: tuple = ()) -> tuple[subprocess.Popen, str, list[int], set]:
     """Start a run, wait until it has measured a few requests, then `cut(proc, workers)` it; returns the
-    finished process, its stderr, the worker pids it had and the shm segments that existed before."""
-    shm_before = set(glob.glob("/dev/shm/pdlab-*"))
+    finished process, its stderr, the worker pids it had and the run prefixes of the segments they mapped."""
     proc = start_run(out, extra)
     try:
         wait_for_requests(out, proc)
         workers = descendants(proc.pid)
+        prefixes = run_prefixes(workers)
         cut(proc, workers)
         _, err = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-    return proc, err, workers, shm_before
+    return proc, err, workers, prefixes
 
 
 @pytest.mark.slow
@@ -74,10 +73,10 @@ def test_worker_killed_mid_run(tmp_path):
         os.kill(spawned[-1], signal.SIGKILL)
 
     # 400-token outputs outlast the 250 ms between arrivals: requests are in flight when the worker dies
-    proc, err, workers, shm_before = cut_run(out, kill_a_worker, ("--set", "workload.output_len.value=400"))
+    proc, err, workers, prefixes = cut_run(out, kill_a_worker, ("--set", "workload.output_len.value=400"))
     assert proc.returncode == 1, err
     assert "Traceback" not in err and "run stopped early" in err
-    summary = check_clean(out, workers, shm_before)
+    summary = check_clean(out, workers, prefixes)
     assert "worker" in summary["reason"]
     lines = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl"))]
     failed = [r for r in lines if not r["ok"]]
@@ -88,10 +87,10 @@ def test_worker_killed_mid_run(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_keeps_what_was_measured(tmp_path):
     out = str(tmp_path / "interrupted")
-    proc, err, workers, shm_before = cut_run(out, lambda proc, _: proc.send_signal(signal.SIGINT))
+    proc, err, workers, prefixes = cut_run(out, lambda proc, _: proc.send_signal(signal.SIGINT))
     assert proc.returncode == 130, err
     assert "Traceback" not in err
-    summary = check_clean(out, workers, shm_before)
+    summary = check_clean(out, workers, prefixes)
     assert "interrupted" in summary["reason"]
     measured = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl")) if '"warmup"' not in x]
     assert len(measured) >= 3

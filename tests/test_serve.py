@@ -19,8 +19,7 @@ import urllib.request
 import pytest
 
 import engine_helpers as eh
-from pdlab.kv import shm
-from proc_helpers import descendants, running, workers_of
+from proc_helpers import descendants, run_prefixes, running, segments_with, workers_of
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "tests", "data", "tiny-recipe.yaml")
@@ -82,16 +81,11 @@ def test_only_loopback_goes_without_a_warning():
 
 
 # ---- served, with workers ----
-def pdlab_segments() -> set[str]:
-    return {n for n in os.listdir(shm.SHM_DIR) if n.startswith(shm.PREFIX)}
-
-
 class Served:
     """`pdlab serve` running: its URL, its processes and its shared memory, checked to be gone at the end."""
 
     def __init__(self, tmp_path, variant: str, *extra: str, env: dict | None = None):
         self.out = tmp_path / "run"
-        self.shm_before = pdlab_segments()
         self.proc = subprocess.Popen(serve_cmd(TINY, "--variant", variant, "--port", "0", "--out", str(self.out),
                                                *extra), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      text=True, env={**os.environ, **(env or {})})
@@ -103,7 +97,7 @@ class Served:
         self.url = re.search(r"at (http://\S+)/v1", self.lines[-1]).group(1)
         self.port = int(self.url.rsplit(":", 1)[1])
         self.children = set(descendants(self.proc.pid))
-        self.segments = pdlab_segments() - self.shm_before
+        self.prefixes = run_prefixes(self.children)  # the shared memory of this server's runs
         assert self.children, "no worker process"
 
     def request(self, path: str, body: dict | None = None, key: str | None = KEY) -> tuple[int, str]:
@@ -125,7 +119,7 @@ class Served:
         while any(running(p) for p in self.children) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [p for p in self.children if running(p)], "processes left running"
-        assert not (self.segments & pdlab_segments()), "shared memory left behind"
+        assert not segments_with(self.prefixes), "shared memory left behind"
         with socket.socket() as s:  # the port is free again
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             s.bind(("127.0.0.1", self.port))

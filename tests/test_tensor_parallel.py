@@ -16,6 +16,7 @@ from pdlab.engine.tp_plan import shard_heads, tp_error
 from pdlab.recipe import RecipeError, parse_recipe
 from pdlab.recipe.nixl import nixl_module
 from pdlab.serve.cluster import RequestDone, TokenEvent, WorkerFailed
+from proc_helpers import ours
 from test_cluster import Cluster, _drain, _no_leftovers
 
 ENGINE = {"block_size": 8, "kv_blocks": 48, "token_budget": 24, "max_running": 16, "chunked_prefill": True,
@@ -67,10 +68,10 @@ def test_devices_per_worker_must_equal_tp(dep, msg):
 
 
 def _followers() -> list[int]:
-    """Live follower processes (ranks 1..) of any worker."""
+    """Live follower processes (ranks 1..) of any worker this test process started."""
     out = []
     for pid in os.listdir("/proc"):
-        if pid.isdigit():
+        if pid.isdigit() and ours(int(pid)):
             try:
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
                     if b"pdlab.serve.tensor_group" in f.read():

@@ -19,26 +19,20 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
 
-from pdlab.engine import Engine, EngineConfig, SamplingParams, load_model
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine import decoding_engine as _decoding_engine  # noqa: E402
+from pdlab.engine import Engine, load_model  # noqa: E402
 
 
 def decoding_engine(preset: str, batch: int, ctx: int, steps: int) -> Engine:
-    """An engine with `batch` sequences of `ctx` prompt tokens prefilled, ready for decode-only steps."""
+    """bench_engine's decode-only engine, for the preset."""
     model = load_model({"preset": preset})
-    eng = Engine(model, EngineConfig(block_size=16, kv_blocks=batch * ((ctx + steps + 64) // 16 + 4),
-                                     token_budget=max(2048, ctx), max_running=batch))
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(batch)
-    for i in range(batch):
-        eng.add(str(i), torch.randint(3, vocab, (ctx,), generator=g).tolist(),
-                SamplingParams(max_tokens=steps + 64, ignore_eos=True))
-    while eng.num_waiting or any(s.num_computed < s.prompt_len for s in eng.seqs.values()):
-        eng.step()
-    return eng
+    return _decoding_engine(model, batch, ctx, steps, model.config.vocab_size)
 
 
 def co_runner(core: int, preset: str, batch: int, ctx: int, ready, stop) -> None:

@@ -146,8 +146,9 @@ def run_padded_generate(ref, prompts, new) -> float:
     return time.perf_counter() - t
 
 
-def step_overhead(model, batch: int, ctx: int, steps: int, vocab: int) -> dict:
-    """Decode-only steps with `batch` running sequences of ~`ctx` tokens."""
+def decoding_engine(model, batch: int, ctx: int, steps: int, vocab: int) -> Engine:
+    """An engine with `batch` random prompts of `ctx` tokens prefilled, ready for `steps` decode-only steps
+    (benchmarks/bench_corun.py uses it too)."""
     g = torch.Generator().manual_seed(batch)
     eng = Engine(model, EngineConfig(block_size=16, kv_blocks=batch * ((ctx + steps + batch) // 16 + 4),
                                      token_budget=max(2048, ctx), max_running=batch))
@@ -156,6 +157,12 @@ def step_overhead(model, batch: int, ctx: int, steps: int, vocab: int) -> dict:
                 SamplingParams(max_tokens=steps + batch + 16, ignore_eos=True))
     while eng.num_waiting or any(s.num_computed < s.prompt_len for s in eng.seqs.values()):
         eng.step()
+    return eng
+
+
+def step_overhead(model, batch: int, ctx: int, steps: int, vocab: int) -> dict:
+    """Decode-only steps with `batch` running sequences of ~`ctx` tokens."""
+    eng = decoding_engine(model, batch, ctx, steps, vocab)
     for _ in range(3):
         eng.step()
     total = fwd = 0.0

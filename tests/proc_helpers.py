@@ -10,6 +10,7 @@ runs its processes had mapped (`run_prefixes`, `segments_with`)."""
 import os
 
 from pdlab.constants import SHM_DIR
+from pdlab.kv.shm import PREFIX
 
 
 def descendants(pid: int) -> list[int]:
@@ -72,7 +73,7 @@ def run_prefixes(pids) -> set[str]:
     for pid in pids:
         try:
             with open(f"/proc/{pid}/maps") as f:
-                paths = [line.split()[-1] for line in f if f" {SHM_DIR}/pdlab-" in line]
+                paths = [line.split()[-1] for line in f if f" {SHM_DIR}/{PREFIX}" in line]
         except OSError:
             continue
         out |= {"-".join(os.path.basename(p).split("-")[:2]) + "-" for p in paths}

@@ -15,13 +15,13 @@ import time
 import pytest
 
 from pdlab.engine.config import EngineConfig
-from pdlab.kv import shm
 from pdlab.recipe import Deployment, ModelSpec, RecipeError
 from pdlab.serve.cluster import (RequestDone, StepEvent, TokenEvent, TransferEvent,
                                  WorkerFailed)
 from pdlab.serve.cluster import Cluster as _Cluster
 from pdlab.serve.cluster import ClusterError
 import engine_helpers as eh
+from proc_helpers import segments_with
 
 
 def Cluster(model, engine, deployment, **kw):
@@ -74,7 +74,7 @@ def _no_leftovers(pids, prefix):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
-    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(prefix)]
+    assert not segments_with([prefix])
 
 
 DISAGG = [
@@ -329,4 +329,4 @@ def test_stop_reaps_every_worker_even_when_they_are_slow_to_die():
     finally:
         c.stop(timeout=0.01)  # no time to exit politely: terminated and killed at once, then waited for
     assert not [p for p in pids if _exists(p)], "a worker was not waited for"
-    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(c.run_prefix)]
+    assert not segments_with([c.run_prefix])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import engine_helpers as eh
+from proc_helpers import segments_with
 from pdlab.engine.config import EngineConfig
 from pdlab.kv import shm
 from pdlab.kv.host import HostTransport
@@ -83,7 +84,7 @@ def serve(mode: str, monkeypatch=None) -> dict:
     finally:
         c.stop()
     assert all(s.free_blocks == s.total_blocks and not s.leak for s in stats.values())
-    assert not [n for n in os.listdir(shm.SHM_DIR) if n.startswith(c.run_prefix)]
+    assert not segments_with([c.run_prefix])
     assert {r["transport"] for r in transfers} == {"host"} and {r["mode"] for r in transfers} == {mode}
     return done
 

@@ -1,19 +1,22 @@
 """How late pdlab's HTTP client stamps a token: client stamp minus the moment the server sent it.
 
-A local aiohttp server in a process of its own streams `--tokens` tokens per request, one chunk each, every
-`--period-ms`, on a fixed schedule, and records when it handed each chunk to the kernel (time.monotonic(),
-the same clock in every process on Linux). pdlab's client drives `--streams` concurrent streams through the
-endpoint backend's cluster (pdlab.external.endpoint: one event loop on one thread, the harness's poll on
-the main thread), exactly as a run does, and stamps each chunk when its line is read. The error of a token
-is its client stamp minus its send time: kernel delivery, plus the time the client's loop was busy with other
-streams' lines.
+A local server in a process of its own (plain asyncio, one ticker writing every chunk that is due, so that it
+takes as little as it can of the cores the client is measured on) streams `--tokens` tokens per request, one
+chunk each, every `--period-ms`, on a fixed schedule, and records when it handed each chunk to the kernel
+(time.monotonic(), the same clock in every process on Linux). pdlab's client drives `--streams` concurrent
+streams through the endpoint backend's cluster (pdlab.external.endpoint: one event loop on one thread, the
+harness's poll on the main thread), exactly as a run does. The error of a token is its client stamp minus
+its send time.
 
-Two schedules: `spread`, each stream at its own phase within the period (requests that arrived at different
-times); `aligned`, every stream's chunk at the same instant (a decode step that emits a token for each of a
-batch's requests: the client then reads a burst of lines, and the last of it waits for the others).
+Two stamps, alternated in one run: `arrival` (pdlab's: when the chunk's socket was first seen readable,
+pdlab.external.arrival) and `taken` (PDLAB_ARRIVAL_STAMPS=0: when the stream took the chunk, as `vllm bench
+serve` stamps; it includes the time the loop spent on other streams first). Two schedules: `spread`, each
+stream at its own phase within the period (requests that arrived at different times); `aligned`, every
+stream's chunk at the same instant (a decode step that emits a token for each of a batch's requests: the
+client then reads a burst, and the last of it waits for the others).
 
-    python benchmarks/bench_client.py                      # 256 streams, both schedules
-    python benchmarks/bench_client.py --streams 512 --schedule aligned
+    python benchmarks/bench_client.py                      # 256 streams, 20 and 50 ms, both stamps and schedules
+    python benchmarks/bench_client.py --streams 512 --period-ms 100 --schedule aligned --stamps arrival
 
 Run it on a quiet machine: the error is the client's own only when nothing else competes for the cores.
 """
@@ -22,6 +25,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
+import heapq
 import json
 import math
 import os
@@ -30,57 +36,125 @@ import subprocess
 import sys
 import time
 import urllib.request
+from typing import Optional
 
 import numpy as np
 
+from pdlab.constants import ARRIVAL_STAMPS_ENV
+
 SCHEDULES = ("spread", "aligned")
+STAMPS = ("arrival", "taken")
 PHASE = (math.sqrt(5) - 1) / 2  # golden-ratio phases: stream i at frac(i * PHASE) of the period
 
 
 # ---- the server (its own process) ----
-def serve(port: int, period_s: float, tokens: int) -> None:
-    from aiohttp import web
+class _Conn(asyncio.Protocol):
+    """One connection to the fixture: plain asyncio, one request each (Connection: close), so the server
+    costs little of the box whose client is measured. Streams are written by the Server's one ticker."""
 
-    sends: list[list] = []  # [stream, index, t_send]
-    t0 = time.monotonic() + 1.0  # the schedule's origin: every stream's chunks fall on it
+    def __init__(self, server: "Server"):
+        self.server, self.buf, self.transport = server, b"", None
 
-    async def completions(request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        n = int(body.get("max_tokens") or tokens)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        head, sep, rest = self.buf.partition(b"\r\n\r\n")
+        if not sep:
+            return
+        length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                       if line.lower().startswith(b"content-length:")), 0)
+        if len(rest) < length:
+            return
+        method, path = head.split(b" ", 2)[:2]
+        self.server.handle(self, method.decode(), path.decode(), json.loads(rest[:length]) if length else None)
+
+    def reply(self, obj: object) -> None:
+        body = json.dumps(obj).encode()
+        self.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.close()
+
+
+class Server:
+    """Streams `tokens` chunks per completion, each at its slot on a fixed schedule; notes when each was
+    handed to the kernel (time.monotonic(), the same clock in every process on Linux)."""
+
+    def __init__(self, period_s: float, tokens: int):
+        self.period_s, self.tokens = period_s, tokens
+        self.t0 = time.monotonic() + 1.0  # the schedule's origin: every stream's chunks fall on it
+        self.sends: list[list] = []  # [stream, index, t_send]
+        self.due: list[tuple[float, int, int, int, _Conn]] = []  # heap: (time, stream, index, n, conn)
+        self.wake: Optional[asyncio.Event] = None
+
+    def handle(self, conn: _Conn, method: str, path: str, body: Optional[dict]) -> None:
+        if path.endswith("/models"):
+            return conn.reply({"data": [{"id": "bench"}]})
+        if path == "/sends":
+            out, self.sends = self.sends, []
+            return conn.reply(out)
+        if path != "/v1/completions" or not isinstance(body, dict):
+            conn.transport.write(b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")
+            return conn.transport.close()
+        conn.transport.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        n = int(body.get("max_tokens") or self.tokens)
         if n <= 2:  # pdlab's probe: answer at once
-            stream, period, phase = -1, 0.0, 0.0
-        else:  # the prompt is [stream, schedule, 0]
-            stream, schedule = int(body["prompt"][0]), SCHEDULES[int(body["prompt"][1])]
-            period, phase = period_s, (stream * PHASE % 1.0 if schedule == "spread" else 0.0)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        now = time.monotonic()
-        k0 = math.ceil((now - t0) / period - phase) + 1 if period else 0  # the next slot, one period ahead
-        for i in range(n):
-            if period:
-                await asyncio.sleep(max(0.0, t0 + (k0 + i + phase) * period - time.monotonic()))
-            data = json.dumps({"choices": [{"index": 0, "text": "", "token_ids": [i % 500],
-                                            "finish_reason": "length" if i == n - 1 else None}]})
-            t = time.monotonic()
-            await resp.write(f"data: {data}\n\n".encode())
-            if period:
-                sends.append([stream, i, t])
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
-        return resp
+            for i in range(n):
+                conn.transport.write(self.chunk(i, i == n - 1))
+            conn.transport.write(b"data: [DONE]\n\n")
+            return conn.transport.close()
+        stream, schedule = int(body["prompt"][0]), SCHEDULES[int(body["prompt"][1])]
+        phase = stream * PHASE % 1.0 if schedule == "spread" else 0.0
+        k0 = math.ceil((time.monotonic() - self.t0) / self.period_s - phase) + 1  # the next slot, a period ahead
+        heapq.heappush(self.due, (self.t0 + (k0 + phase) * self.period_s, stream, 0, n, conn))
+        self.wake.set()
 
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "bench"}]})
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def chunk(i: int, last: bool) -> bytes:
+        data = json.dumps({"choices": [{"index": 0, "text": "", "token_ids": [i % 500],
+                                        "finish_reason": "length" if last else None}]})
+        return f"data: {data}\n\n".encode()
 
-    async def take_sends(_: web.Request) -> web.Response:
-        out = list(sends)
-        sends.clear()
-        return web.json_response(out)
+    async def ticker(self) -> None:
+        """Sleep until the next chunk is due, write every chunk due by then, repeat."""
+        self.wake = asyncio.Event()
+        while True:
+            if not self.due:
+                self.wake.clear()
+                await self.wake.wait()
+                continue
+            delay = self.due[0][0] - time.monotonic()
+            if delay > 0:
+                self.wake.clear()
+                try:
+                    await asyncio.wait_for(self.wake.wait(), delay)
+                except asyncio.TimeoutError:
+                    pass
+                continue
+            while self.due and self.due[0][0] <= time.monotonic():
+                at, stream, i, n, conn = heapq.heappop(self.due)
+                data = self.chunk(i, i == n - 1)
+                t = time.monotonic()
+                conn.transport.write(data)
+                self.sends.append([stream, i, t])
+                if i + 1 < n:
+                    heapq.heappush(self.due, (at + self.period_s, stream, i + 1, n, conn))
+                else:
+                    conn.transport.write(b"data: [DONE]\n\n")
+                    conn.transport.close()
 
-    app = web.Application()
-    app.add_routes([web.get("/v1/models", models), web.post("/v1/completions", completions),
-                    web.get("/sends", take_sends)])
-    web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None, backlog=4096)
+
+def serve(port: int, period_s: float, tokens: int) -> None:
+    async def main() -> None:
+        server = Server(period_s, tokens)
+        loop = asyncio.get_running_loop()
+        listener = await loop.create_server(lambda: _Conn(server), "127.0.0.1", port, backlog=4096)
+        async with listener:
+            await server.ticker()
+
+    asyncio.run(main())
 
 
 # ---- the client: pdlab's endpoint cluster, polled as the harness polls it ----
@@ -114,21 +188,45 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--tokens", type=int, default=100, help="tokens per stream")
-    p.add_argument("--period-ms", type=float, default=20.0, help="time between two tokens of one stream")
+    p.add_argument("--period-ms", default="20,50", help="time between two tokens of one stream; a list runs each")
     p.add_argument("--schedule", choices=(*SCHEDULES, "both"), default="both")
+    p.add_argument("--stamps", choices=(*STAMPS, "both"), default="both",
+                   help="arrival (pdlab's) or taken (PDLAB_ARRIVAL_STAMPS=0, as vllm bench serve); both alternate")
+    p.add_argument("--rounds", type=int, default=2, help="alternated rounds of every case")
     p.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the server process, on this port
     a = p.parse_args()
+    periods = [float(x) for x in str(a.period_ms).split(",")]
     if a.serve is not None:
-        serve(a.serve, a.period_ms / 1000.0, a.tokens)
+        serve(a.serve, periods[0] / 1000.0, a.tokens)
         return 0
     import aiohttp
 
+    print(f"pdlab client timing error: {a.streams} concurrent streams x {a.tokens} tokens; {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.2f}, Python {platform.python_version()}, aiohttp {aiohttp.__version__}")
+    print(f"{'period':>6} {'chunks/s':>8} {'stamps':<8} {'schedule':<8} {'round':>5} {'tokens':>6} {'failed':>6} "
+          f"{'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for period in periods:
+        for r in range(a.rounds):
+            for stamps in (STAMPS if a.stamps == "both" else (a.stamps,)):
+                with fixture(a.tokens, period) as url:
+                    for schedule in (SCHEDULES if a.schedule == "both" else (a.schedule,)):
+                        os.environ[ARRIVAL_STAMPS_ENV] = "1" if stamps == "arrival" else "0"
+                        err, failed = measure(url, a.streams, a.tokens, SCHEDULES.index(schedule))
+                        print(f"{period:>6g} {a.streams * 1000 / period:>8.0f} {stamps:<8} {schedule:<8} {r + 1:>5} "
+                              f"{err.size:>6} {failed:>6} {np.percentile(err, 50):>8.3f} {np.percentile(err, 99):>8.3f} "
+                              f"{err.max():>8.3f}", flush=True)
+    return 0
+
+
+@contextlib.contextmanager
+def fixture(tokens: int, period_ms: float):
+    """The server in a process of its own, on a free port; yields its URL."""
     from pdlab.external.server import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--serve", str(port), "--tokens",
-                               str(a.tokens), "--period-ms", str(a.period_ms)])
+                               str(tokens), "--period-ms", str(period_ms)])
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -137,21 +235,12 @@ def main() -> int:
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    print("the benchmark's server did not start", file=sys.stderr)
-                    return 1
+                    raise SystemExit("the benchmark's server did not start")
                 time.sleep(0.1)
-        print(f"pdlab client timing error: {a.streams} concurrent streams x {a.tokens} tokens, one every "
-              f"{a.period_ms:g} ms; {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}, "
-              f"Python {platform.python_version()}, aiohttp {aiohttp.__version__}")
-        print(f"{'schedule':<9} {'tokens':>7} {'failed':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-        for schedule in (SCHEDULES if a.schedule == "both" else (a.schedule,)):
-            err, failed = measure(url, a.streams, a.tokens, SCHEDULES.index(schedule))
-            print(f"{schedule:<9} {err.size:>7} {failed:>6} {np.percentile(err, 50):>8.3f} "
-                  f"{np.percentile(err, 99):>8.3f} {err.max():>8.3f}")
+        yield url
     finally:
         server.terminate()
         server.wait()
-    return 0
 
 
 if __name__ == "__main__":

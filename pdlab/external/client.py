@@ -65,7 +65,8 @@ class ClientRequest:
 
 class ClientCluster:
     def __init__(self, name: str, read_timeout_s: float):
-        self.events: "queue.Queue[Any]" = queue.Queue()
+        self.events: "queue.Queue[Any]" = queue.Queue()  # events, and lists of events (`_emit`)
+        self._batch: list[Any] = []  # the loop's events not yet on the queue
         self.client = ClientLoop(name, read_timeout_s)
         self.multi_token_chunks = 0  # chunks that carried more than one token (docs/external.md)
         self._started = self._stopped = False
@@ -147,6 +148,8 @@ class ClientCluster:
                 while True:
                     if item is _WAKE:
                         woken = True
+                    elif type(item) is list:
+                        out.extend(item)
                     else:
                         out.append(item)
                     item = self.events.get_nowait()
@@ -182,7 +185,7 @@ class ClientCluster:
             error = f"client error: {e.__class__.__name__}: {e}"
         finally:
             self._open.pop(req.req_id, None)
-        self.events.put(RequestDone(
+        self._emit(RequestDone(
             req.req_id, error is None, self.scrub(error or ""), list(req.output_ids), 0, req.prefill_worker,
             req.decode_worker, dict(req.phases), "remote" if req.decode_worker else "unified",
             client={"chunks": list(req.chunks), "usage": req.usage, **req.client}))
@@ -200,8 +203,19 @@ class ClientCluster:
             index = len(req.output_ids)
             req.output_ids.append(int(tok))
             finished = index + 1 >= req.max_tokens or (last and k == len(ids) - 1)
-            self.events.put(TokenEvent(req.req_id, int(tok), t, index, finished, worker, t))
+            self._emit(TokenEvent(req.req_id, int(tok), t, index, finished, worker, t))
 
+    def _emit(self, event: Any) -> None:
+        """On the loop: queue an event. The loop's events go to the queue as one list per loop iteration:
+        a put per token would wake the harness's thread per token, and each wake-up takes the GIL from the
+        loop, whose reads (and so its stamps) then wait."""
+        if not self._batch:
+            self.client.loop.call_soon(self._flush)
+        self._batch.append(event)
+
+    def _flush(self) -> None:
+        batch, self._batch = self._batch, []
+        self.events.put(batch)
     def _running(self) -> None:
         if not self._started or self._stopped:
             raise ClusterError("cluster is not running (call start(); stop() ends it)")

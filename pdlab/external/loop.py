@@ -22,6 +22,7 @@ from typing import Any, Coroutine, Optional
 import aiohttp
 
 from pdlab.constants import CLIENT_CONNECT_TIMEOUT_S
+from pdlab.external.arrival import new_loop
 
 CLOSE_GRACE_S = 5.0
 OPEN_FILES = 65536  # a socket per stream: the soft limit (often 1024) is raised towards this, up to the hard one
@@ -49,7 +50,7 @@ class ClientLoop:
             raise self._error
 
     def _main(self) -> None:
-        loop = asyncio.new_event_loop()
+        loop = new_loop()
         asyncio.set_event_loop(loop)
         try:
             self.session = loop.run_until_complete(self._open())

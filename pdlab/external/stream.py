@@ -1,9 +1,11 @@
 """The HTTP client's requests, as coroutines on one aiohttp session (pdlab.external.loop): OpenAI
 `/v1/completions` streamed as server-sent events, and plain JSON calls.
 
-Token times are stamped at the client as `vllm bench serve` stamps them: time.monotonic() (pdlab's one
-clock) the moment a `data:` line has been read, before it is parsed. A chunk may carry several tokens; the
-caller gets the chunk and its one time (pdlab.external.client keeps chunk sizes for ITL per chunk).
+Token times are stamped at the client in time.monotonic() (pdlab's one clock) when the chunk's bytes reached
+the client: when its socket was first seen readable (pdlab.external.arrival), not when the loop got round to
+its line (`vllm bench serve`'s stamp, which includes the loop's work on other streams; PDLAB_ARRIVAL_STAMPS=0
+gives that one). A chunk may carry several tokens; the caller gets the chunk and its one time
+(pdlab.external.client keeps chunk sizes for ITL per chunk).
 
 Errors are StreamError, one line naming the URL and what went wrong; they never quote request headers (an
 API key travels in them). `status` is the HTTP status when the server answered, `connection` tells a
@@ -14,14 +16,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any, Callable, Optional, Union
 
 import aiohttp
 
 from pdlab.constants import SERVED_MODEL_NAME
+from pdlab.external.arrival import clock_for
 
 ERROR_TEXT = 300  # characters of a server's error message quoted
+MAX_LINE = 1 << 24  # bytes of one server-sent line; a longer one is a broken stream
 
 
 class StreamError(RuntimeError):
@@ -117,31 +120,34 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
             if "text/event-stream" not in ctype:
                 raise StreamError(f"{url}: does not stream: it answered stream: true with {ctype or 'no content type'}"
                                   ", not server-sent events", status=200, not_streamed=True)
-            async for raw in resp.content:
-                t = time.monotonic()
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue  # blank separators, comments (": ping"), event names
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    return final
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    raise StreamError(f"{url}: a chunk that is not JSON: {data[:100]!r}") from None
-                if event.get("error") and not event.get("choices"):
-                    raise StreamError(f"{url}: {server_message(json.dumps(event))}")
-                if event.get("choices"):
-                    on_chunk(event, t)
-                    for c in event["choices"]:
-                        if c.get("finish_reason"):
-                            final["finish_reason"] = c["finish_reason"]
-                if event.get("usage"):
-                    final["usage"] = event["usage"]
+            arrived = clock_for(resp.connection.transport if resp.connection is not None else None)
+            tail = b""  # a line not yet whole
+            async for data in resp.content.iter_any():  # what each read brought: fewer wake-ups than per line
+                *lines, tail = (tail + data).split(b"\n")
+                if len(tail) > MAX_LINE:
+                    raise StreamError(f"{url}: a line longer than {MAX_LINE} bytes")
+                for raw in lines:
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, comments (": ping"), event names
+                    payload = line[5:].strip()
+                    if payload == b"[DONE]":
+                        return final
+                    try:
+                        event = json.loads(payload)
+                    except ValueError:
+                        raise StreamError(f"{url}: a chunk that is not JSON: {payload[:100]!r}") from None
+                    if event.get("error") and not event.get("choices"):
+                        raise StreamError(f"{url}: {server_message(json.dumps(event))}")
+                    if event.get("choices"):
+                        on_chunk(event, arrived())  # a second chunk of one read: the time it is taken
+                        for c in event["choices"]:
+                            if c.get("finish_reason"):
+                                final["finish_reason"] = c["finish_reason"]
+                    if event.get("usage"):
+                        final["usage"] = event["usage"]
     except StreamError:
         raise
-    except ValueError as e:  # aiohttp: a line longer than its buffer
-        raise StreamError(f"{url}: {e}") from None
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise _broken(url, e) from None
     raise StreamError(f"{url}: the stream ended without [DONE]", connection=True)

@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import decoding_engine as _decoding_engine  # noqa: E402
-from pdlab.engine import Engine, load_model  # noqa: E402
+from pdlab.engine import Engine, EngineConfig, SamplingParams, load_model  # noqa: E402
 
 
 def decoding_engine(preset: str, batch: int, ctx: int, steps: int) -> Engine:
@@ -35,9 +35,23 @@ def decoding_engine(preset: str, batch: int, ctx: int, steps: int) -> Engine:
     return _decoding_engine(model, batch, ctx, steps, model.config.vocab_size)
 
 
-def co_runner(core: int, preset: str, batch: int, ctx: int, ready, stop) -> None:
+def co_runner(core: int, preset: str, batch: int, ctx: int, kind: str, ready, stop) -> None:
     os.sched_setaffinity(0, [core])
     torch.set_num_threads(1)
+    if kind == "prefill":  # one prompt of `ctx` tokens after another, each prefilled and dropped
+        model = load_model({"preset": preset})
+        eng = Engine(model, EngineConfig(block_size=16, kv_blocks=2 * (ctx // 16 + 4), token_budget=max(2048, ctx),
+                                         max_running=1))
+        g = torch.Generator().manual_seed(ctx)
+        ready.set()
+        n = 0
+        while not stop.is_set():
+            eng.add(f"p{n}", torch.randint(3, model.config.vocab_size, (ctx,), generator=g).tolist(),
+                    SamplingParams(max_tokens=1, ignore_eos=True))
+            while eng.seqs and not stop.is_set():
+                eng.step()
+            n += 1
+        return
     while not stop.is_set():
         eng = decoding_engine(preset, batch, ctx, 10_000)
         ready.set()
@@ -65,6 +79,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--core", type=int, default=1)
     ap.add_argument("--other", type=int, default=0)
+    ap.add_argument("--co-runner", choices=("decode", "prefill"), default="decode",
+                    help="what the other core runs: the same decode steps, or prefills of --co-prompt tokens")
+    ap.add_argument("--co-prompt", type=int, default=1000, help="prompt tokens of a prefill co-runner")
     ap.add_argument("--json", help="write the results here")
     a = ap.parse_args()
     os.sched_setaffinity(0, [a.core])
@@ -80,7 +97,8 @@ def main() -> None:
             proc = stop = None
             if mode == "beside":
                 ready, stop = ctx.Event(), ctx.Event()
-                proc = ctx.Process(target=co_runner, args=(a.other, a.preset, a.batch, a.ctx, ready, stop), daemon=True)
+                proc = ctx.Process(target=co_runner, args=(a.other, a.preset, a.batch,
+                                   a.co_prompt if a.co_runner == "prefill" else a.ctx, a.co_runner, ready, stop), daemon=True)
                 proc.start()
                 ready.wait(300)
                 time.sleep(0.5)
@@ -90,7 +108,7 @@ def main() -> None:
                 proc.join(60)
         row["ratio"] = row["beside"] / row["alone"]
         rows.append(row)
-        print(f"round {r + 1}: alone {row['alone']:.2f} ms, beside a co-runner on cpu:{a.other} "
+        print(f"round {r + 1}: alone {row['alone']:.2f} ms, beside a {a.co_runner} co-runner on cpu:{a.other} "
               f"{row['beside']:.2f} ms: x{row['ratio']:.2f}", flush=True)
     ratios = sorted(x["ratio"] for x in rows)
     print(f"{a.preset}, {a.batch} sequences of ~{a.ctx} tokens, cpu:{a.core} beside cpu:{a.other} "

@@ -216,6 +216,7 @@ class ClientCluster:
     def _flush(self) -> None:
         batch, self._batch = self._batch, []
         self.events.put(batch)
+
     def _running(self) -> None:
         if not self._started or self._stopped:
             raise ClusterError("cluster is not running (call start(); stop() ends it)")

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine_helpers import engine, hf_greedy, prompts, reference, run
-from pdlab.constants import CPU_KERNEL_ENV, CPU_KERNELS
+from pdlab.constants import CPU_KERNEL_ENV, CPU_KERNELS, PACKED_LINEAR
 from pdlab.engine import cpu_kernel, kernel_check
 from pdlab.engine.kernel_check import Choice, Shape, cache_key, choose
 from pdlab.measure.kernels import KernelLog, describe, fell_back
@@ -170,7 +170,7 @@ def test_a_worker_reports_its_kernels_in_ready():
                  dep) as c:
         c.start()
         kernels = c.workers[0].kernels
-    assert set(kernels) == set(CPU_KERNELS)
+    assert set(kernels) == {*CPU_KERNELS, PACKED_LINEAR}
     for k in kernels.values():
         assert k["why"] in ("faster here", "slower here") or k["why"].startswith(("on (", "does not apply")), k
 

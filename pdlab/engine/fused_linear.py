@@ -45,6 +45,7 @@ class FusedGroup:
                 m.bias = torch.nn.Parameter(self.bias[at:at + n], requires_grad=False)
             at += n
         self.pending: Optional[tuple[torch.Tensor, list[torch.Tensor]]] = None
+        self.packed: Any = None  # pdlab.engine.packed_linear.Packed of the concatenated weight, where it pays
         for i, m in enumerate(mods):
             m.forward = self._first if i == 0 else self._part(i)
             m.pdlab_fused = self
@@ -63,6 +64,12 @@ class FusedGroup:
             at += n
         return True
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x times the concatenated weight (plus bias): packed where pdlab.engine.packed_linear packed it."""
+        if self.packed is not None:
+            return self.packed(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
     def _own(self, i: int, x: torch.Tensor) -> torch.Tensor:
         m = self.mods[i]
         return F.linear(x, m.weight, m.bias)
@@ -71,7 +78,7 @@ class FusedGroup:
         self.pending = None
         if not self.intact():
             return self._own(0, x)
-        parts = list(F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1))
+        parts = list(self.matmul(x).split(self.sizes, dim=-1))
         self.pending = (x, parts)
         return parts[0]
 
@@ -125,7 +132,7 @@ def _swiglu_forward(mlp: Any, group: FusedGroup) -> Any:
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         if group.intact() and getattr(mlp, "pdlab_fused_gate", None) is group:
-            h = cpu_kernel.swiglu(F.linear(x, group.weight, group.bias))
+            h = cpu_kernel.swiglu(group.matmul(x))
             if h is not None:
                 return mlp.down_proj(h)
         return original(mlp, x)

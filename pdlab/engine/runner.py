@@ -13,13 +13,14 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from pdlab.constants import cdiv
+from pdlab.constants import PACKED_LINEAR, cdiv
 from pdlab.engine import cuda_attention as ca
 from pdlab.engine.attention import AttnContext, PrefillSegment, set_context
 from pdlab.engine.blocks import padded_tables
 from pdlab.engine.cpu_kernel import DecodeBatch
 from pdlab.engine.fused_linear import fuse_projections
-from pdlab.engine.kernel_check import Shape, choose
+from pdlab.engine.packed_linear import pack_linears
+from pdlab.engine.kernel_check import Choice, Shape, choose
 from pdlab.engine.sequence import Sequence
 
 # Decode requests with at least this much context, whose blocks are one contiguous run, attend to their
@@ -69,9 +70,12 @@ class ModelRunner:
         # request of a step in one call, a prefill chunk over itself, rotary, SwiGLU, RMSNorm
         self.cpu_kernel = self.cpu_prefill = False
         self.kernels: dict[str, Any] = {}  # kernel -> kernel_check.Choice (its worker's Ready message reports them)
+        packed = Choice(False, f"does not apply: {self.device.type}")
         if self.device.type == "cpu":
             fuse_projections(model)  # here, not at load: after any tensor-parallel sharding
+            packed = pack_linears(model)  # after fusing: the fused weights are the ones multiplied
         self.kernels = choose(kernel_shape(model, kv), kv.dtype, self.device.type)
+        self.kernels[PACKED_LINEAR] = packed
         self.cpu_kernel = self.kernels["decode_attention"].use
         self.cpu_prefill = self.kernels["prefill_attention"].use
         flash = ca.flash_module() if self.device.type == "cuda" else None

@@ -1,0 +1,138 @@
+"""MKL's packed GEMM for the linear layers of a CPU decode step: the weight reordered once into MKL's own
+layout (`torch.ops.mkl._mkl_reorder_linear_weight`), each step multiplied by it (`_mkl_linear`), as
+torch's Inductor does for float32 CPU linears and vLLM's CPU backend does with oneDNN.
+
+Why: a decode step's linears have one row per running sequence (tens), and there `F.linear` spends its time
+on the weight's layout rather than on arithmetic. On the developers' AVX2 box, one core: 32 x 1024 -> 5632
+took 15.3 ms with `F.linear` and 11.6 ms packed; 8 rows 8.4 -> 5.0 ms (BENCHMARKS.md, issue 24). Past a few
+hundred rows (a prefill) it is slower (2,048 rows: 346 -> 447 ms), so it serves steps of MIN_ROWS to
+MAX_ROWS rows only; below MIN_ROWS, MKL's `F.linear` takes another path whose bits differ.
+
+The same bits: where it is used, its output must equal `F.linear`'s bit for bit (so greedy tokens stay those
+of transformers). That holds for 4 rows and more with one thread on the box it was measured on (with two
+threads it does not), and MKL picks its kernels by ISA, so each process checks per weight shape and thread
+count (`check`): equal bits at several row counts, and faster at PROBE_ROWS rows than `F.linear`; otherwise
+the shape keeps `F.linear`.
+
+The cost: a second copy of every packed weight (the original stays for the other row counts and for anyone
+who reads the weights). A weight replaced after packing (tensor-parallel sharding) is noticed by its data
+pointer and served by `F.linear` until packed again.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+
+from pdlab.constants import CPU_KERNEL_ENV
+from pdlab.engine import cpu_kernel
+from pdlab.engine.kernel_check import Choice, _best
+
+MIN_ROWS = 4  # fewer rows: MKL's F.linear takes a path whose bits differ from the packed GEMM's
+MAX_ROWS = 128  # more rows (a prefill chunk): F.linear is as fast or faster
+PROBE_ROWS = 32  # the row count the check times (a decode step of 32 sequences)
+CHECK_ROWS = (4, 7, 32, MAX_ROWS)  # row counts whose bits the check compares
+
+_verdicts: dict[tuple, Choice] = {}  # (in, out, bias, timed, torch threads) -> this process's choice
+
+
+def available() -> bool:
+    return (torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
+            and cpu_kernel.mode() != "off")
+
+
+class Packed:
+    """A weight (and bias) with its packed copy."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
+        self.weight, self.bias = weight, bias
+        self.ptr = weight.data_ptr()
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PROBE_ROWS)
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """x @ weight.T + bias: packed where the rows fit and the weight is the one packed, else F.linear."""
+        rows = x.numel() // x.shape[-1] if x.dim() else 0
+        if (MIN_ROWS <= rows <= MAX_ROWS and weight.data_ptr() == self.ptr and bias is self.bias
+                and x.dtype == torch.float32 and x.is_contiguous()):
+            y = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), self.packed, weight, bias, rows)
+            return y.reshape(*x.shape[:-1], weight.shape[0])
+        return F.linear(x, weight, bias)
+
+
+def check(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
+    """Whether this weight shape goes packed in this process: equal bits, and faster (timed once per shape)."""
+    n, k = weight.shape
+    timed = cpu_kernel.mode() != "on"  # PDLAB_CPU_KERNEL=on: wherever the bits agree, untimed
+    key = (k, n, bias is not None, timed, torch.get_num_threads())
+    if key in _verdicts:
+        return _verdicts[key]
+    g = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias is not None else None
+    p = Packed(w, b)
+    for rows in CHECK_ROWS:
+        x = torch.randn(rows, k, generator=g)
+        if not torch.equal(p(x, w, b), F.linear(x, w, b)):
+            _verdicts[key] = Choice(False, f"does not apply: bits differ from F.linear at {rows} rows here")
+            return _verdicts[key]
+    if not timed:
+        _verdicts[key] = Choice(True, "on (untimed)")
+        return _verdicts[key]
+    x = torch.randn(PROBE_ROWS, k, generator=g)
+    packed_ms, torch_ms = _best(lambda: p(x, w, b), lambda: F.linear(x, w, b))
+    _verdicts[key] = Choice(packed_ms < torch_ms, "faster here" if packed_ms < torch_ms else "slower here",
+                            round(packed_ms, 4), round(torch_ms, 4))
+    return _verdicts[key]
+
+
+def pack_linears(model: Any) -> Choice:
+    """Pack the float32 CPU linears of `model` whose shape `check` passes; one Choice for the lot, in use when
+    any linear is packed (its times: the sums over the packed ones at PROBE_ROWS rows)."""
+    unpack(model)  # a model packed before (another engine, another mode) starts over
+    if not available():
+        return Choice(False, "does not apply: no MKL packed GEMM in this torch" if cpu_kernel.mode() != "off"
+                      else f"off ({CPU_KERNEL_ENV}=off)")
+    used = seen = 0
+    packed_ms = torch_ms = 0.0
+    for m in model.modules():
+        group = getattr(m, "pdlab_fused", None)
+        if group is not None:  # a fused q/k/v or gate/up: its concatenated weight, once
+            if m is group.mods[0] and group.intact():
+                c = check(group.weight, group.bias)
+                seen += 1
+                if c.use:
+                    group.packed = Packed(group.weight, group.bias)
+                    used += 1
+                    packed_ms, torch_ms = packed_ms + (c.kernel_ms or 0), torch_ms + (c.torch_ms or 0)
+            continue
+        if not isinstance(m, torch.nn.Linear) or m.weight.dtype != torch.float32 or m.weight.device.type != "cpu":
+            continue
+        c = check(m.weight, m.bias)
+        seen += 1
+        if c.use:
+            m.pdlab_packed = Packed(m.weight, m.bias)
+            m.forward = _packed_forward(m)
+            used += 1
+            packed_ms, torch_ms = packed_ms + (c.kernel_ms or 0), torch_ms + (c.torch_ms or 0)
+    if not used:
+        return Choice(False, "slower here" if seen else "does not apply: no float32 CPU linear")
+    return Choice(True, "faster here", round(packed_ms, 4), round(torch_ms, 4))
+
+
+def unpack(model: Any) -> None:
+    """Every linear of `model` back to F.linear (packed copies dropped)."""
+    for m in model.modules():
+        if getattr(m, "pdlab_fused", None) is not None:
+            m.pdlab_fused.packed = None
+        if getattr(m, "pdlab_packed", None) is not None:
+            del m.pdlab_packed
+            m.__dict__.pop("forward", None)  # the class's forward again
+
+
+def _packed_forward(m: torch.nn.Linear) -> Any:
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return m.pdlab_packed(x, m.weight, m.bias)
+
+    return forward

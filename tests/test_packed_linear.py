@@ -1,0 +1,83 @@
+"""pdlab.engine.packed_linear: where a linear goes through MKL's packed GEMM its output is F.linear's bit for
+bit; steps of fewer than MIN_ROWS or more than MAX_ROWS rows, a weight replaced after packing, and
+PDLAB_CPU_KERNEL=off keep F.linear; an engine with every linear packed gives transformers' greedy tokens."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_helpers import engine, hf_greedy, prompts, reference, run
+from pdlab.constants import CPU_KERNEL_ENV, PACKED_LINEAR
+from pdlab.engine import packed_linear as pl
+
+pytestmark = pytest.mark.skipif(not pl.available(), reason="this torch has no MKL packed GEMM")
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """As a CPU worker runs (one torch thread per core); with more, MKL's F.linear splits differently."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_rows_are_f_linear_bit_for_bit_and_the_rest_is_f_linear(bias, monkeypatch):
+    monkeypatch.setenv(CPU_KERNEL_ENV, "on")
+    calls = []
+    real = torch.ops.mkl._mkl_linear
+    monkeypatch.setattr(pl.torch.ops.mkl, "_mkl_linear", lambda *a: (calls.append(a[-1]), real(*a))[1],
+                        raising=False)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g)
+    b = torch.randn(96, generator=g) if bias else None
+    if not pl.check(w, b).use:
+        pytest.skip("MKL's packed GEMM is not F.linear's bits on this machine")
+    p = pl.Packed(w, b)
+    calls.clear()  # the check's own
+    for rows in (1, 3, 4, 9, 32, 128, 129, 500):
+        x = torch.randn(1, rows, 64, generator=g)
+        assert torch.equal(p(x, w, b), F.linear(x, w, b)), rows
+    assert calls == [4, 9, 32, 128]  # only MIN_ROWS..MAX_ROWS rows went packed
+
+
+def test_a_weight_replaced_after_packing_is_used_as_it_is_now(monkeypatch):
+    monkeypatch.setenv(CPU_KERNEL_ENV, "on")
+    m = torch.nn.Linear(64, 96)
+    model = torch.nn.Sequential(m)
+    assert pl.pack_linears(model).use
+    x = torch.randn(8, 64)
+    assert torch.equal(m(x), F.linear(x, m.weight, m.bias))
+    m.weight = torch.nn.Parameter(torch.randn(96, 64), requires_grad=False)  # as tensor-parallel sharding does
+    assert torch.equal(m(x), F.linear(x, m.weight, m.bias))
+
+
+def test_off_unpacks_a_model_packed_before(monkeypatch):
+    m = torch.nn.Linear(64, 96)
+    model = torch.nn.Sequential(m)
+    monkeypatch.setenv(CPU_KERNEL_ENV, "on")
+    assert pl.pack_linears(model).use and hasattr(m, "pdlab_packed")
+    monkeypatch.setenv(CPU_KERNEL_ENV, "off")
+    c = pl.pack_linears(model)
+    assert not c.use and c.why.startswith("off") and not hasattr(m, "pdlab_packed") and "forward" not in m.__dict__
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_an_engine_with_packed_linears_gives_transformers_tokens(preset, monkeypatch):
+    """Seven sequences decode together (7 rows a step, packed), one alone at the end (F.linear)."""
+    monkeypatch.setenv(CPU_KERNEL_ENV, "on")
+    calls = []
+    real = torch.ops.mkl._mkl_linear
+    monkeypatch.setattr(pl.torch.ops.mkl, "_mkl_linear", lambda *a: (calls.append(a[-1]), real(*a))[1],
+                        raising=False)
+    reqs = prompts([5, 17, 40, 33, 64, 1, 90])
+    eng = engine(preset, block_size=16, kv_blocks=128)
+    if not eng.runner.kernels[PACKED_LINEAR].use:
+        pytest.skip("MKL's packed GEMM is not F.linear's bits on this machine")
+    outs, _ = run(eng, reqs, max_tokens=24)
+    ref = reference(preset)
+    assert outs == {str(i): hf_greedy(ref, p, 24) for i, p in enumerate(reqs)}
+    assert calls and min(calls) >= pl.MIN_ROWS and max(calls) <= pl.MAX_ROWS
+    monkeypatch.setenv(CPU_KERNEL_ENV, "off")
+    pl.pack_linears(eng.model)  # the cached model back as the other tests expect it

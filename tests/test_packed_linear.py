@@ -22,13 +22,20 @@ def one_thread():
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_packed_rows_are_f_linear_bit_for_bit_and_the_rest_is_f_linear(bias, monkeypatch):
+@pytest.fixture
+def packed_calls(monkeypatch) -> list[int]:
+    """PDLAB_CPU_KERNEL=on (packed wherever the bits agree, untimed); the row count of every packed GEMM."""
     monkeypatch.setenv(CPU_KERNEL_ENV, "on")
-    calls = []
+    calls: list[int] = []
     real = torch.ops.mkl._mkl_linear
     monkeypatch.setattr(pl.torch.ops.mkl, "_mkl_linear", lambda *a: (calls.append(a[-1]), real(*a))[1],
                         raising=False)
+    return calls
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_rows_are_f_linear_bit_for_bit_and_the_rest_is_f_linear(bias, packed_calls):
+    calls = packed_calls
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g)
     b = torch.randn(96, generator=g) if bias else None
@@ -64,13 +71,9 @@ def test_off_unpacks_a_model_packed_before(monkeypatch):
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-def test_an_engine_with_packed_linears_gives_transformers_tokens(preset, monkeypatch):
+def test_an_engine_with_packed_linears_gives_transformers_tokens(preset, packed_calls, monkeypatch):
     """Seven sequences decode together (7 rows a step, packed), one alone at the end (F.linear)."""
-    monkeypatch.setenv(CPU_KERNEL_ENV, "on")
-    calls = []
-    real = torch.ops.mkl._mkl_linear
-    monkeypatch.setattr(pl.torch.ops.mkl, "_mkl_linear", lambda *a: (calls.append(a[-1]), real(*a))[1],
-                        raising=False)
+    calls = packed_calls
     reqs = prompts([5, 17, 40, 33, 64, 1, 90])
     eng = engine(preset, block_size=16, kv_blocks=128)
     if not eng.runner.kernels[PACKED_LINEAR].use:

@@ -11,8 +11,8 @@ MAX_ROWS rows only; below MIN_ROWS, MKL's `F.linear` takes another path whose bi
 The same bits: where it is used, its output must equal `F.linear`'s bit for bit (so greedy tokens stay those
 of transformers). That holds for 4 rows and more with one thread on the box it was measured on (with two
 threads it does not), and MKL picks its kernels by ISA, so each process checks per weight shape and thread
-count (`check`): equal bits at several row counts, and faster at PROBE_ROWS rows than `F.linear`; otherwise
-the shape keeps `F.linear`.
+count (`check`): equal bits at several row counts, and at PROBE_ROWS rows at most WIN of `F.linear`'s time;
+otherwise the shape keeps `F.linear`.
 
 The cost: a second copy of every packed weight (the original stays for the other row counts and for anyone
 who reads the weights). A weight replaced after packing (tensor-parallel sharding) is noticed by its data
@@ -34,6 +34,8 @@ MIN_ROWS = 4  # fewer rows: MKL's F.linear takes a path whose bits differ from t
 MAX_ROWS = 128  # more rows (a prefill chunk): F.linear is as fast or faster
 PROBE_ROWS = 32  # the row count the check times (a decode step of 32 sequences)
 CHECK_ROWS = (4, 7, 32, MAX_ROWS)  # row counts whose bits the check compares
+WIN = 0.9  # packed only where it takes at most this share of F.linear's time: a clear win, so that the
+# processes of one run (each checks for itself, untimed verdicts are not cached) do not choose differently
 
 _verdicts: dict[tuple, Choice] = {}  # (in, out, bias, timed, torch threads) -> this process's choice
 
@@ -82,8 +84,9 @@ def check(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
         return _verdicts[key]
     x = torch.randn(PROBE_ROWS, k, generator=g)
     packed_ms, torch_ms = _best(lambda: p(x, w, b), lambda: F.linear(x, w, b))
-    _verdicts[key] = Choice(packed_ms < torch_ms, "faster here" if packed_ms < torch_ms else "slower here",
-                            round(packed_ms, 4), round(torch_ms, 4))
+    faster = packed_ms <= WIN * torch_ms
+    _verdicts[key] = Choice(faster, "faster here" if faster else "slower here", round(packed_ms, 4),
+                            round(torch_ms, 4))
     return _verdicts[key]
 
 
@@ -96,12 +99,14 @@ def pack_linears(model: Any) -> Choice:
                       else f"off ({CPU_KERNEL_ENV}=off)")
     used = seen = 0
     packed_ms = torch_ms = 0.0
+    slow: list[Choice] = []  # the shapes timed and found not faster enough
     for m in model.modules():
         group = getattr(m, "pdlab_fused", None)
         if group is not None:  # a fused q/k/v or gate/up: its concatenated weight, once
             if m is group.mods[0] and group.intact():
                 c = check(group.weight, group.bias)
                 seen += 1
+                slow += [c] if c.why == "slower here" else []
                 if c.use:
                     group.packed = Packed(group.weight, group.bias)
                     used += 1
@@ -111,13 +116,18 @@ def pack_linears(model: Any) -> Choice:
             continue
         c = check(m.weight, m.bias)
         seen += 1
+        slow += [c] if c.why == "slower here" else []
         if c.use:
             m.pdlab_packed = Packed(m.weight, m.bias)
             m.forward = _packed_forward(m)
             used += 1
             packed_ms, torch_ms = packed_ms + (c.kernel_ms or 0), torch_ms + (c.torch_ms or 0)
     if not used:
-        return Choice(False, "slower here" if seen else "does not apply: no float32 CPU linear")
+        if slow:
+            return Choice(False, "slower here", round(sum(c.kernel_ms or 0 for c in slow), 4),
+                          round(sum(c.torch_ms or 0 for c in slow), 4))
+        return Choice(False, "does not apply: bits differ from F.linear here" if seen else
+                      "does not apply: no float32 CPU linear")
     return Choice(True, "faster here", round(packed_ms, 4), round(torch_ms, 4))
 
 

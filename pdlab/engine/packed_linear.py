@@ -103,7 +103,7 @@ def pack_linears(model: Any) -> Choice:
     for m in model.modules():
         group = getattr(m, "pdlab_fused", None)
         if group is not None:  # a fused q/k/v or gate/up: its concatenated weight, once
-            if m is group.mods[0] and group.intact():
+            if m is group.mods[0] and group.intact() and _float32_cpu(group.weight):
                 c = check(group.weight, group.bias)
                 seen += 1
                 slow += [c] if c.why == "slower here" else []
@@ -112,7 +112,7 @@ def pack_linears(model: Any) -> Choice:
                     used += 1
                     packed_ms, torch_ms = packed_ms + (c.kernel_ms or 0), torch_ms + (c.torch_ms or 0)
             continue
-        if not isinstance(m, torch.nn.Linear) or m.weight.dtype != torch.float32 or m.weight.device.type != "cpu":
+        if not isinstance(m, torch.nn.Linear) or not _float32_cpu(m.weight):
             continue
         c = check(m.weight, m.bias)
         seen += 1
@@ -128,7 +128,13 @@ def pack_linears(model: Any) -> Choice:
                           round(sum(c.torch_ms or 0 for c in slow), 4))
         return Choice(False, "does not apply: bits differ from F.linear here" if seen else
                       "does not apply: no float32 CPU linear")
+    if cpu_kernel.mode() == "on":
+        return Choice(True, "on (untimed)")
     return Choice(True, "faster here", round(packed_ms, 4), round(torch_ms, 4))
+
+
+def _float32_cpu(w: torch.Tensor) -> bool:
+    return w.dtype == torch.float32 and w.device.type == "cpu"
 
 
 def unpack(model: Any) -> None:

@@ -84,3 +84,10 @@ def test_an_engine_with_packed_linears_gives_transformers_tokens(preset, packed_
     assert calls and min(calls) >= pl.MIN_ROWS and max(calls) <= pl.MAX_ROWS
     monkeypatch.setenv(CPU_KERNEL_ENV, "off")
     pl.pack_linears(eng.model)  # the cached model back as the other tests expect it
+
+
+def test_only_float32_linears_are_packed(monkeypatch):
+    monkeypatch.setenv(CPU_KERNEL_ENV, "on")
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96).to(torch.bfloat16))
+    c = pl.pack_linears(model)
+    assert not c.use and c.why == "does not apply: no float32 CPU linear" and not hasattr(model[0], "pdlab_packed")

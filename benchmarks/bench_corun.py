@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import decoding_engine as _decoding_engine  # noqa: E402
+from bench_engine import decoding_engine as _decoding_engine, step_ms  # noqa: E402
 from pdlab.engine import Engine, EngineConfig, SamplingParams, load_model  # noqa: E402
 
 
@@ -59,15 +59,6 @@ def co_runner(core: int, preset: str, batch: int, ctx: int, kind: str, ready, st
             if stop.is_set():
                 return
             eng.step()
-
-
-def step_ms(eng: Engine, steps: int) -> float:
-    """The median decode step over `steps` steps."""
-    ms = []
-    for _ in range(steps):
-        r = eng.step().record
-        ms.append((r.end - r.start) * 1e3)
-    return statistics.median(ms)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import statistics
 import time
 
 import torch
@@ -158,6 +159,15 @@ def decoding_engine(model, batch: int, ctx: int, steps: int, vocab: int) -> Engi
     while eng.num_waiting or any(s.num_computed < s.prompt_len for s in eng.seqs.values()):
         eng.step()
     return eng
+
+
+def step_ms(eng: Engine, steps: int) -> float:
+    """The median step of `eng` over its next `steps` steps, in ms (bench_corun.py and bench_packed.py)."""
+    ms = []
+    for _ in range(steps):
+        r = eng.step().record
+        ms.append((r.end - r.start) * 1e3)
+    return statistics.median(ms)
 
 
 def step_overhead(model, batch: int, ctx: int, steps: int, vocab: int) -> dict:

@@ -21,18 +21,10 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import decoding_engine  # noqa: E402
+from bench_engine import decoding_engine, step_ms  # noqa: E402
 from bench_vllm_cells import SHAPES, select  # noqa: E402
 from pdlab.engine import load_model  # noqa: E402
 from pdlab.engine import packed_linear as pl  # noqa: E402
-
-
-def step_ms(eng, steps: int) -> float:
-    ms = []
-    for _ in range(steps):
-        r = eng.step().record
-        ms.append((r.end - r.start) * 1e3)
-    return statistics.median(ms)
 
 
 def main() -> None:

@@ -97,40 +97,42 @@ def pack_linears(model: Any) -> Choice:
     if not available():
         return Choice(False, "does not apply: no MKL packed GEMM in this torch" if cpu_kernel.mode() != "off"
                       else f"off ({CPU_KERNEL_ENV}=off)")
-    used = seen = 0
-    packed_ms = torch_ms = 0.0
-    slow: list[Choice] = []  # the shapes timed and found not faster enough
+    checked: list[Choice] = []
     for m in model.modules():
-        group = getattr(m, "pdlab_fused", None)
-        if group is not None:  # a fused q/k/v or gate/up: its concatenated weight, once
-            if m is group.mods[0] and group.intact() and _float32_cpu(group.weight):
-                c = check(group.weight, group.bias)
-                seen += 1
-                slow += [c] if c.why == "slower here" else []
-                if c.use:
-                    group.packed = Packed(group.weight, group.bias)
-                    used += 1
-                    packed_ms, torch_ms = packed_ms + (c.kernel_ms or 0), torch_ms + (c.torch_ms or 0)
+        group = getattr(m, "pdlab_fused", None)  # a fused q/k/v or gate/up: its concatenated weight, once
+        if group is not None:
+            if m is not group.mods[0] or not group.intact():
+                continue
+            weight, bias = group.weight, group.bias
+        elif isinstance(m, torch.nn.Linear):
+            weight, bias = m.weight, m.bias
+        else:
             continue
-        if not isinstance(m, torch.nn.Linear) or not _float32_cpu(m.weight):
+        if not _float32_cpu(weight):
             continue
-        c = check(m.weight, m.bias)
-        seen += 1
-        slow += [c] if c.why == "slower here" else []
-        if c.use:
-            m.pdlab_packed = Packed(m.weight, m.bias)
+        c = check(weight, bias)
+        checked.append(c)
+        if not c.use:
+            continue
+        if group is not None:
+            group.packed = Packed(weight, bias)
+        else:
+            m.pdlab_packed = Packed(weight, bias)
             m.forward = _packed_forward(m)
-            used += 1
-            packed_ms, torch_ms = packed_ms + (c.kernel_ms or 0), torch_ms + (c.torch_ms or 0)
-    if not used:
-        if slow:
-            return Choice(False, "slower here", round(sum(c.kernel_ms or 0 for c in slow), 4),
-                          round(sum(c.torch_ms or 0 for c in slow), 4))
-        return Choice(False, "does not apply: bits differ from F.linear here" if seen else
-                      "does not apply: no float32 CPU linear")
-    if cpu_kernel.mode() == "on":
-        return Choice(True, "on (untimed)")
-    return Choice(True, "faster here", round(packed_ms, 4), round(torch_ms, 4))
+    used = [c for c in checked if c.use]
+    slow = [c for c in checked if c.why == "slower here"]
+    if used:
+        return Choice(True, "on (untimed)") if cpu_kernel.mode() == "on" else _summed(True, "faster here", used)
+    if slow:
+        return _summed(False, "slower here", slow)
+    return Choice(False, "does not apply: bits differ from F.linear here" if checked else
+                  "does not apply: no float32 CPU linear")
+
+
+def _summed(use: bool, why: str, choices: list[Choice]) -> Choice:
+    """One Choice for several shapes' timed ones: their times summed."""
+    return Choice(use, why, round(sum(c.kernel_ms or 0 for c in choices), 4),
+                  round(sum(c.torch_ms or 0 for c in choices), 4))
 
 
 def _float32_cpu(w: torch.Tensor) -> bool:

@@ -175,9 +175,11 @@ def _check_file(k: cpu_kernel.Kernels) -> str:
     return os.path.join(cache_dir(), f"check-{build[:16]}.json")
 
 
-def _timed(k: cpu_kernel.Kernels, s: Shape, names: list[str]) -> dict[str, list[float]]:
-    """[kernel ms, torch ms] per kernel for this shape: from the cache, or timed now and cached."""
-    path = _check_file(k)
+def cached_times(path: str, key: str, names: list[str],
+                 race: Callable[[list[str]], dict[str, list[float]]]) -> dict[str, list[float]]:
+    """[kernel ms, torch ms] per name under `key` in the verdict file `path`: read, or raced now (`race` times
+    the missing names) and written back, under the cache directory's lock so that workers starting together
+    race once and all read the same verdict."""
 
     def read() -> dict:
         try:
@@ -186,26 +188,33 @@ def _timed(k: cpu_kernel.Kernels, s: Shape, names: list[str]) -> dict[str, list[
         except (OSError, ValueError):
             return {}
 
-    key = cache_key(s, torch.get_num_threads())
     have = read().get(key, {})
     if all(n in have for n in names):
         return have
-    os.makedirs(cache_dir(), exist_ok=True)
-    with locked(cache_dir()):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with locked(os.path.dirname(path)):
         everything = read()
         have = everything.get(key, {})
         missing = [n for n in names if n not in have]
         if missing:
-            g = torch.Generator().manual_seed(0)
-            with torch.inference_mode():
-                for n in missing:
-                    have[n] = list(RACES[n](k, s, g))
+            have.update({n: list(v) for n, v in race(missing).items()})
             everything[key] = have
             tmp = f"{path}.tmp-{os.getpid()}"
             with open(tmp, "w") as f:
                 json.dump(everything, f, indent=1)
             os.replace(tmp, path)
     return have
+
+
+def _timed(k: cpu_kernel.Kernels, s: Shape, names: list[str]) -> dict[str, list[float]]:
+    """[kernel ms, torch ms] per kernel for this shape: from the cache, or timed now and cached."""
+
+    def race(missing: list[str]) -> dict[str, list[float]]:
+        g = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            return {n: list(RACES[n](k, s, g)) for n in missing}
+
+    return cached_times(_check_file(k), cache_key(s, torch.get_num_threads()), names, race)
 
 
 def choose(s: Shape, dtype: torch.dtype, device_type: str = "cpu") -> dict[str, Choice]:

@@ -11,8 +11,11 @@ MAX_ROWS rows only; below MIN_ROWS, MKL's `F.linear` takes another path whose bi
 The same bits: where it is used, its output must equal `F.linear`'s bit for bit (so greedy tokens stay those
 of transformers). That holds for 4 rows and more with one thread on the box it was measured on (with two
 threads it does not), and MKL picks its kernels by ISA, so each process checks per weight shape and thread
-count (`check`): equal bits at several row counts, and at PROBE_ROWS rows at most WIN of `F.linear`'s time;
-otherwise the shape keeps `F.linear`.
+count (`check`): equal bits at several row counts, and at PROBE_ROWS rows no more than `F.linear`'s time;
+otherwise the shape keeps `F.linear`. The timed verdict is cached on disk as the C kernels' are
+(pdlab.engine.kernel_check.cached_times), keyed by torch's build, the CPU, the shape and the thread count: on
+narrow linears the race is close, and processes timing for themselves chose differently within one run
+(qwen2-d64: packed in one worker of three).
 
 The cost: a second copy of every packed weight (the original stays for the other row counts and for anyone
 who reads the weights). A weight replaced after packing (tensor-parallel sharding) is noticed by its data
@@ -21,21 +24,22 @@ pointer and served by `F.linear` until packed again.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
-from pdlab.constants import CPU_KERNEL_ENV
+from pdlab.constants import CPU_KERNEL_ENV, PACKED_LINEAR as PACKED
 from pdlab.engine import cpu_kernel
-from pdlab.engine.kernel_check import Choice, _best
+from pdlab.engine.kernel_build import cache_dir, cpu_flags
+from pdlab.engine.kernel_check import Choice, _best, cached_times
 
 MIN_ROWS = 4  # fewer rows: MKL's F.linear takes a path whose bits differ from the packed GEMM's
 MAX_ROWS = 128  # more rows (a prefill chunk): F.linear is as fast or faster
 PROBE_ROWS = 32  # the row count the check times (a decode step of 32 sequences)
 CHECK_ROWS = (4, 7, 32, MAX_ROWS)  # row counts whose bits the check compares
-WIN = 0.9  # packed only where it takes at most this share of F.linear's time: a clear win, so that the
-# processes of one run (each checks for itself, untimed verdicts are not cached) do not choose differently
 
 _verdicts: dict[tuple, Choice] = {}  # (in, out, bias, timed, torch threads) -> this process's choice
 
@@ -83,11 +87,23 @@ def check(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
         _verdicts[key] = Choice(True, "on (untimed)")
         return _verdicts[key]
     x = torch.randn(PROBE_ROWS, k, generator=g)
-    packed_ms, torch_ms = _best(lambda: p(x, w, b), lambda: F.linear(x, w, b))
-    faster = packed_ms <= WIN * torch_ms
+
+    def race(names: list[str]) -> dict[str, list[float]]:
+        return {PACKED: list(_best(lambda: p(x, w, b), lambda: F.linear(x, w, b)))}
+
+    shape = f"{k}x{n}-{'bias' if bias is not None else 'nobias'}-t{torch.get_num_threads()}"
+    packed_ms, torch_ms = cached_times(_verdict_file(), shape, [PACKED], race)[PACKED]
+    faster = packed_ms <= torch_ms
     _verdicts[key] = Choice(faster, "faster here" if faster else "slower here", round(packed_ms, 4),
                             round(torch_ms, 4))
     return _verdicts[key]
+
+
+def _verdict_file() -> str:
+    """The timed verdicts' file: one per torch build (which carries its MKL) and CPU."""
+    build = hashlib.sha256(f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {cpu_flags()}"
+                           .encode()).hexdigest()
+    return os.path.join(cache_dir(), f"packed-{build[:16]}.json")
 
 
 def pack_linears(model: Any) -> Choice:

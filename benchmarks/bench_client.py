@@ -17,6 +17,11 @@ client then reads a burst, and the last of it waits for the others).
 
     python benchmarks/bench_client.py                      # 256 streams, 20 and 50 ms, both stamps and schedules
     python benchmarks/bench_client.py --streams 512 --period-ms 100 --schedule aligned --stamps arrival
+    python benchmarks/bench_client.py --stamps arrival --read-timer aiohttp,watchdog   # silence: whose timer
+
+The error is taken against the server's stamp before its write (p50, p99, max) and after it (`p99 end`): on a
+2-core box the server can be preempted inside its write, and then the first overstates the client's error
+and the second bounds it from below. `cpu us` is the client process's CPU time (both threads) per chunk.
 
 Run it on a quiet machine: the error is the client's own only when nothing else competes for the cores.
 """
@@ -84,7 +89,7 @@ class Server:
     def __init__(self, period_s: float, tokens: int):
         self.period_s, self.tokens = period_s, tokens
         self.t0 = time.monotonic() + 1.0  # the schedule's origin: every stream's chunks fall on it
-        self.sends: list[list] = []  # [stream, index, t_send]
+        self.sends: list[list] = []  # [stream, index, t before the write, t after it]
         self.due: list[tuple[float, int, int, int, _Conn]] = []  # heap: (time, stream, index, n, conn)
         self.wake: Optional[asyncio.Event] = None
 
@@ -138,7 +143,7 @@ class Server:
                 data = self.chunk(i, i == n - 1)
                 t = time.monotonic()
                 conn.transport.write(data)
-                self.sends.append([stream, i, t])
+                self.sends.append([stream, i, t, time.monotonic()])
                 if i + 1 < n:
                     heapq.heappush(self.due, (at + self.period_s, stream, i + 1, n, conn))
                 else:
@@ -180,8 +185,8 @@ def measure(url: str, streams: int, tokens: int, schedule: int) -> tuple[np.ndar
                     done += 1
                     failed += not e.ok
     sends = json.load(urllib.request.urlopen(f"{url}/sends", timeout=30))
-    err = [stamps[(s, i)] - t for s, i, t in sends if (s, i) in stamps]
-    return np.asarray(err) * 1000.0, failed
+    err = [(stamps[(s, i)] - t, stamps[(s, i)] - t_end) for s, i, t, t_end in sends if (s, i) in stamps]
+    return np.asarray(err).reshape(-1, 2) * 1000.0, failed
 
 
 def main() -> int:
@@ -193,6 +198,9 @@ def main() -> int:
     p.add_argument("--stamps", choices=(*STAMPS, "both"), default="both",
                    help="arrival (pdlab's) or taken (PDLAB_ARRIVAL_STAMPS=0, as vllm bench serve); both alternate")
     p.add_argument("--rounds", type=int, default=2, help="alternated rounds of every case")
+    p.add_argument("--read-timer", default="watchdog",
+                   help="what breaks off a silent stream: watchdog (pdlab's, pdlab.external.silence) or aiohttp "
+                        "(its sock_read timer, re-armed every read); a list alternates")
     p.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the server process, on this port
     a = p.parse_args()
     periods = [float(x) for x in str(a.period_ms).split(",")]
@@ -203,18 +211,27 @@ def main() -> int:
 
     print(f"pdlab client timing error: {a.streams} concurrent streams x {a.tokens} tokens; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}, Python {platform.python_version()}, aiohttp {aiohttp.__version__}")
-    print(f"{'period':>6} {'chunks/s':>8} {'stamps':<8} {'schedule':<8} {'round':>5} {'tokens':>6} {'failed':>6} "
-          f"{'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    from pdlab.external import silence, stream
+
+    print(f"{'period':>6} {'chunks/s':>8} {'stamps':<8} {'timer':<8} {'schedule':<8} {'round':>5} "
+          f"{'tokens':>6} {'failed':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'p99 end':>8} {'cpu us':>7}")
     for period in periods:
         for r in range(a.rounds):
             for stamps in (STAMPS if a.stamps == "both" else (a.stamps,)):
-                with fixture(a.tokens, period) as url:
-                    for schedule in (SCHEDULES if a.schedule == "both" else (a.schedule,)):
-                        os.environ[ARRIVAL_STAMPS_ENV] = "1" if stamps == "arrival" else "0"
-                        err, failed = measure(url, a.streams, a.tokens, SCHEDULES.index(schedule))
-                        print(f"{period:>6g} {a.streams * 1000 / period:>8.0f} {stamps:<8} {schedule:<8} {r + 1:>5} "
-                              f"{err.size:>6} {failed:>6} {np.percentile(err, 50):>8.3f} {np.percentile(err, 99):>8.3f} "
-                              f"{err.max():>8.3f}", flush=True)
+                for timer in a.read_timer.split(","):
+                    stream.watchdog = silence.watchdog if timer == "watchdog" else (lambda: None)
+                    with fixture(a.tokens, period) as url:
+                        for schedule in (SCHEDULES if a.schedule == "both" else (a.schedule,)):
+                            os.environ[ARRIVAL_STAMPS_ENV] = "1" if stamps == "arrival" else "0"
+                            cpu = time.process_time()
+                            err, failed = measure(url, a.streams, a.tokens, SCHEDULES.index(schedule))
+                            n = len(err)
+                            cpu_us = (time.process_time() - cpu) / max(n, 1) * 1e6
+                            start, end = err[:, 0], err[:, 1]
+                            print(f"{period:>6g} {a.streams * 1000 / period:>8.0f} {stamps:<8} "
+                                  f"{timer:<8} {schedule:<8} {r + 1:>5} {n:>6} {failed:>6} "
+                                  f"{np.percentile(start, 50):>8.3f} {np.percentile(start, 99):>8.3f} "
+                                  f"{start.max():>8.3f} {np.percentile(end, 99):>8.3f} {cpu_us:>7.1f}", flush=True)
     return 0
 
 

@@ -73,3 +73,17 @@ def test_tokens_of_one_chunk_share_its_time(tmp_path):
     times = [e.t for e in tokens["a"]]
     assert done["a"].client["chunks"] == [3, 3, 1]
     assert len(set(times[:3])) == 1 and len(set(times[3:6])) == 1 and times[0] < times[3] < times[6]
+
+
+def test_a_loop_that_cannot_be_made_fails_start_instead_of_hanging_it(monkeypatch):
+    import pytest
+
+    from pdlab.external import loop as client_loop
+
+    def broken():
+        raise RuntimeError("no loop here")
+
+    monkeypatch.setattr(client_loop, "new_loop", broken)
+    c = client_loop.ClientLoop("broken", 5.0)
+    with pytest.raises(RuntimeError, match="no loop here"):
+        c.start()

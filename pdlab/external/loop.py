@@ -50,14 +50,16 @@ class ClientLoop:
             raise self._error
 
     def _main(self) -> None:
-        loop = new_loop()
-        asyncio.set_event_loop(loop)
+        loop = None
         try:
+            loop = new_loop()
+            asyncio.set_event_loop(loop)
             self.session = loop.run_until_complete(self._open())
-        except BaseException as e:  # noqa: BLE001 - handed to start()'s caller
+        except BaseException as e:  # noqa: BLE001 - handed to start()'s caller, which waits for _ready
             self._error = e
             self._ready.set()
-            loop.close()
+            if loop is not None:
+                loop.close()
             return
         self.loop = loop
         self._ready.set()

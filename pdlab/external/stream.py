@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from typing import Any, Callable, Optional, Union
 
 import aiohttp
 
 from pdlab.constants import SERVED_MODEL_NAME
 from pdlab.external.arrival import clock_for
+from pdlab.external.silence import watchdog
 
 ERROR_TEXT = 300  # characters of a server's error message quoted
 MAX_LINE = 1 << 24  # bytes of one server-sent line; a longer one is a broken stream
@@ -109,9 +111,15 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
     """POST a streaming completion; `on_chunk(event, t)` for every chunk with choices, `t` stamped when its
     line was read. Returns {"usage": ..., "finish_reason": ...} as far as the server sent them."""
     final: dict = {}
-    kw: dict = {"headers": headers or {}, "json": body}
-    if timeout is not None:
-        kw["timeout"] = aiohttp.ClientTimeout(total=timeout)
+    # the session's read timeout (silence between two reads) is kept by the loop's watchdog, not by aiohttp's
+    # per-read timer (pdlab.external.silence); the connect timeout and `timeout` (the whole request) stay
+    limit = session.timeout.sock_read
+    task = asyncio.current_task()
+    dog = watchdog() if limit and task is not None else None
+    kw: dict = {"headers": headers or {}, "json": body,
+                "timeout": aiohttp.ClientTimeout(total=timeout, sock_connect=session.timeout.sock_connect,
+                                                 sock_read=None if dog is not None else limit)}
+    beat = dog.watch(task, limit) if dog is not None else [0.0]
     try:
         async with session.post(url, **kw) as resp:
             if resp.status != 200:
@@ -123,6 +131,7 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
             arrived = clock_for(resp.connection.transport if resp.connection is not None else None)
             tail = b""  # a line not yet whole
             async for data in resp.content.iter_any():  # what each read brought: fewer wake-ups than per line
+                beat[0] = time.monotonic()
                 *lines, tail = (tail + data).split(b"\n")
                 if len(tail) > MAX_LINE:
                     raise StreamError(f"{url}: a line longer than {MAX_LINE} bytes")
@@ -150,4 +159,12 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
         raise
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
         raise _broken(url, e) from None
+    except asyncio.CancelledError:
+        if dog is None or not dog.expired(task):
+            raise
+        task.uncancel()  # the watchdog's cancel, not the caller's: a timeout
+        raise _broken(url, asyncio.TimeoutError()) from None
+    finally:
+        if dog is not None:
+            dog.forget(task)
     raise StreamError(f"{url}: the stream ended without [DONE]", connection=True)

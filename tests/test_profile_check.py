@@ -70,8 +70,9 @@ def test_a_profile_with_the_new_terms_host_and_kernels_round_trips(tmp_path):
                       model="tiny-llama", step=STEP.to_raw(), kv_bytes_per_token=512, kv_memory_gb=1.0,
                       transfer={"shm": {"gbps": 10.0}}, device_kind="cpu",
                       host={"gap_ms": 0.5, "hop_ms": 1.25, "handoff_ms": 2.0},
-                      kernels={"rms_norm": {"use": False, "why": "slower here"}})
+                      kernels={"rms_norm": {"use": False, "why": "slower here"}}, pace_ms=21.5)
     t = load_profile(write_profile(str(tmp_path / "p.yaml"), raw))
+    assert t.pace_ms == 21.5
     assert t.step == STEP and t.host == HostTiming(0.5, 1.25, 2.0) and t.device_kind == "cpu"
     assert t.kernels == {"rms_norm": {"use": False, "why": "slower here"}}
     assert TimingProfile.from_raw(t.to_raw(), "again") == t
@@ -146,6 +147,35 @@ def test_check_run_lines_and_warnings_beyond_the_threshold():
     assert len(out) == 1 and out[0].startswith("v: steps against profile box (given): MAPE prefill 33% (x1.50, 2)")
     assert len(warn) == 1 and f"beyond {PROFILE_CHECK_MAPE_PCT:.0f}%" in warn[0] and "prefill steps" in warn[0]
     assert check_run(vs, steps_of({"prefill": 1, "decode": 1, "mixed": 1}), [])["v"]["profile"] == prof.name
+
+
+def test_the_box_pace_beside_the_steps_tells_a_slower_box_from_a_wrong_model():
+    """Steps x1.5 their prediction while the workers timed the fixed computation x1.45 the profile's: the box
+    moved, and the warning says so (and what to do); with the pace at the profile's, the model is wrong."""
+    vs = recipe_variants({"v": {}})
+    t = TimingProfile(name="box", step=STEP, pace_ms=20.0)
+    slow = steps_of({"prefill": 1.5, "decode": 1.5, "mixed": 1.5})
+    res = check_run(vs, slow, [], profile=t, paces={"v": {"unified0": 29.0}})
+    assert res["v"]["pace"] == pytest.approx(1.45)
+    out, warn = lines(res)
+    assert "the box's pace x1.45 the profile's" in out[0]
+    assert len(warn) == 3 and all("ran at x1.45 the profile's pace (x1.03 once that is taken out)" in w for w in warn)
+    steady = check_run(vs, slow, [], profile=t, paces={"v": {"unified0": 20.5}})
+    assert steady["v"]["pace"] == pytest.approx(1.025)
+    assert all("it does not describe these workers" in w for w in lines(steady)[1])
+    # no pace on either side (an older profile, a run before workers timed it): nothing said of it
+    assert check_run(vs, slow, [], profile=TimingProfile(name="old", step=STEP),
+                     paces={"v": {"unified0": 29.0}})["v"]["pace"] is None
+    assert "pace" not in lines(check_run(vs, slow, [], profile=t))[0][0]
+
+
+def test_the_pace_is_a_positive_time_and_its_ratio_the_median_worker_over_the_profile():
+    from pdlab.timing.pace import pace_ms, ratio
+
+    ms = pace_ms()
+    assert 0 < ms < float("inf")
+    assert ratio([10.0, 30.0, 12.0], 10.0) == pytest.approx(1.2)
+    assert ratio([], 10.0) is None and ratio([10.0], None) is None and ratio(None, 5.0) is None
 
 
 def test_a_run_whose_workers_ran_other_kernels_than_the_profile_says_so():

@@ -78,6 +78,9 @@ def test_the_run_records_which_kernels_each_worker_ran(tiny_run):
                     assert c["use"] == (c["kernel_ms"] <= c["torch_ms"])
         assert run.summary["kernels"][v]["workers"] == ws and run.summary["kernels"][v]["describe"]
     assert "attention" not in run.env or "cpu" not in run.env["attention"]  # the old constant "sdpa" is gone
+    # and the box's pace each CPU worker timed at its start (pdlab.timing.pace), for pdlab profile --check
+    assert {v: set(ws) for v, ws in run.env["worker_pace_ms"].items()} == workers
+    assert all(ms > 0 for ws in run.env["worker_pace_ms"].values() for ms in ws.values())
 
 
 def _measured(run, variant: str, rate: float) -> list[dict]:

@@ -159,7 +159,8 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False)
         return _err(f"{run_dir}: a simulated run: its steps are the profile's by construction; check a real run")
     variants = {n: recipe.resolved(n) for n in recipe.variant_names}
     try:
-        checks = check_run(variants, run.steps, run.requests, given, run.env.get("cpu_kernels"))
+        checks = check_run(variants, run.steps, run.requests, given, run.env.get("cpu_kernels"),
+                           run.env.get("worker_pace_ms"))
     except CheckError as e:
         return _err(f"{run_dir}: {e}")
     if not checks:

@@ -54,6 +54,8 @@ class KernelLog:
     def __init__(self, rd: Any, view: Any):
         self.rd, self.view = rd, view
         self.by_variant: dict[str, dict[str, dict]] = {}  # variant -> worker -> kernel -> Choice dict
+        # variant -> worker -> the box's pace at its start (pdlab.timing.pace), reported with the kernels: env.json
+        self.paces: dict[str, dict[str, float]] = {}
         self.warnings: list[str] = []
 
     def record(self, variant: str, workers: list[Any]) -> Optional[str]:
@@ -63,6 +65,10 @@ class KernelLog:
         got = {w.name: dict(w.kernels) for w in workers}
         self.by_variant[variant] = got
         self.rd.update_env(cpu_kernels=self.by_variant)
+        paces = {w.name: float(w.pace_ms) for w in workers if getattr(w, "pace_ms", None)}
+        if paces:
+            self.paces[variant] = paces
+            self.rd.update_env(worker_pace_ms=self.paces)
         self.view.note(f"{variant}: {describe(got)}")
         lost = fell_back(got)
         if not lost:

@@ -62,6 +62,7 @@ class WorkerInfo:
     devices: list[str]
     pid: Optional[int] = None
     kernels: dict = field(default_factory=dict)  # CPU kernels its engine runs, and why (its Ready message)
+    pace_ms: Optional[float] = None  # the box's pace at its start (its Ready message; pdlab.timing.pace)
 
 
 class Cluster:
@@ -90,7 +91,8 @@ class Cluster:
     def workers(self) -> list[WorkerInfo]:
         procs = self.router.workers if self.router else {}
         return [WorkerInfo(w.name, w.role, list(w.where), getattr(procs.get(w.name), "proc", None) and
-                           procs[w.name].proc.pid, dict(getattr(procs.get(w.name), "kernels", {}) or {}))
+                           procs[w.name].proc.pid, dict(getattr(procs.get(w.name), "kernels", {}) or {}),
+                           getattr(procs.get(w.name), "pace_ms", None))
                 for w in self.deployment.workers]
 
     @property

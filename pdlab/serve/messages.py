@@ -135,6 +135,7 @@ class Ready:
     # which CPU kernels its engine runs and why (pdlab.engine.kernel_check.Choice.to_dict by kernel; {} when no
     # model runs: a timed engine)
     kernels: dict = field(default_factory=dict)
+    pace_ms: Optional[float] = None  # the box's pace at its start (pdlab.timing.pace): CPU workers running a model
 
 
 @message

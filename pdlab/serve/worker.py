@@ -100,8 +100,13 @@ class Worker:
         if self.transport is not None:
             fp = KvFingerprint.of(spec.model, self.engine, tp=spec.tp).to_raw()
         kernels = {n: c.to_dict() for n, c in getattr(self.engine.runner, "kernels", {}).items()}
+        pace = None
+        if not spec.model.timing and not spec.visible_gpus:  # a CPU worker running its model
+            from pdlab.timing.pace import pace_ms  # deferred: torch
+
+            pace = pace_ms()
         self.send(m.Ready(self.name, os.getpid(), handle,
-                           self.engine.blocks.num_blocks, self.engine.config.block_size, fp, kernels))
+                           self.engine.blocks.num_blocks, self.engine.config.block_size, fp, kernels, pace))
 
     def send(self, msg: Any) -> None:
         self.sock.send(m.encode(msg))

@@ -91,12 +91,15 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                       model=model, step=coef, kv_bytes_per_token=res["kv_bytes_per_token"],
                       kv_memory_gb=res["kv_memory_gb"], transfer=usable, fit=fit,
                       device_kind="cuda" if cuda else "cpu", host=host_raw(host) if host else None,
-                      kernels=res["kernels"] or None)
+                      kernels=res["kernels"] or None, pace_ms=_mean(res.get("pace_ms")))
     report = [f"measured {len(ss)} steps in {res['measured_s']:.1f} s ({len(train)} to fit, {len(test)} held out)",
               format_step(coef), format_errors("held-out error", held)]
     report += [format_errors(f"  {k}", kinds[k]) for k in F.KINDS]
     report += [format_errors("training error", train_err),
                f"KV {res['kv_bytes_per_token']} bytes/token; kv_memory_gb {res['kv_memory_gb']:.3g}"]
+    if res.get("pace_ms"):
+        report.append("the box's pace (pdlab.timing.pace; a run's workers time it too): " +
+                      " and ".join(f"{x:.3g}" for x in res["pace_ms"]) + " ms, before and after the steps")
     if res["kernels"]:
         report.append("CPU kernels: " + ", ".join(f"{k} {'kernel' if c['use'] else 'torch'}"
                                                   for k, c in res["kernels"].items()))
@@ -113,6 +116,10 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                       f" (samples: {host['samples']})")
     report += [f"warning: {w}" for w in warnings]
     return raw, report
+
+
+def _mean(xs: Optional[list]) -> Optional[float]:
+    return sum(xs) / len(xs) if xs else None
 
 
 def _drop_steps(e: dict) -> dict:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Optional
 
-from pdlab.constants import PROFILE_CHECK_MAPE_PCT
+from pdlab.constants import PACE_DRIFT, PROFILE_CHECK_MAPE_PCT
 from pdlab.engine.timed import StepCounts
 from pdlab.timing.fit import KINDS, StepSample, errors, predict
 from pdlab.timing.host import host_times
@@ -76,11 +76,15 @@ def profile_for(name: str, variants: dict[str, Any]) -> Optional[tuple[Any, str]
 
 
 def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
-              profile: Optional[Any] = None, kernels: Optional[dict[str, dict]] = None) -> dict:
-    """variant -> {profile, by, modelled, steps, overall, kinds, host, profile_host, kernels} for every variant
-    with a profile to check (`profile` given: that one for every variant) and steps to check it on.
+              profile: Optional[Any] = None, kernels: Optional[dict[str, dict]] = None,
+              paces: Optional[dict[str, dict]] = None) -> dict:
+    """variant -> {profile, by, modelled, steps, overall, kinds, host, profile_host, kernels, pace} for every
+    variant with a profile to check (`profile` given: that one for every variant) and steps to check it on.
     `kernels`: variant -> worker -> the CPU kernels it ran (env.json's cpu_kernels); `kernels` in the result is
-    a warning when they are not the profile's (pdlab.timing.provenance), else None."""
+    a warning when they are not the profile's (pdlab.timing.provenance), else None. `paces`: variant -> worker
+    -> the box's pace at its start (env.json's worker_pace_ms); `pace` in the result is the median of its
+    workers' over the profile's (pdlab.timing.pace.ratio), None where either is missing."""
+    from pdlab.timing.pace import ratio
     from pdlab.timing.provenance import worker_warning
 
     out = {}
@@ -96,7 +100,9 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
         host = host_times(mine, [r for r in requests if r.get("variant") == name])
         out[name] = {"profile": p.name, "by": by, "modelled": v.model.modelled, **res, "host": host,
                      "profile_host": p.host.to_raw(),
-                     "kernels": worker_warning(name, p, (kernels or {}).get(name) or {})}
+                     "kernels": worker_warning(name, p, (kernels or {}).get(name) or {}),
+                     "pace": None if v.model.modelled else ratio(list(((paces or {}).get(name) or {}).values()),
+                                                                  p.pace_ms)}
     return out
 
 
@@ -117,8 +123,11 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         host = ", ".join(f"{k[:-3]} {_ms(h.get(k))} ({_ms(ph.get(k))})" for k in ("gap_ms", "hop_ms", "handoff_ms")
                          if h.get(k) is not None)
         what = "timed steps" if c["modelled"] else "steps"
+        pace = c.get("pace")
         out.append(f"{name}: {what} against profile {c['profile']} ({c['by']}): MAPE {kinds} [measured/predicted, "
-                   f"steps]" + (f"; host ms {host} [run (profile)]" if host else ""))
+                   f"steps]" + (f"; host ms {host} [run (profile)]" if host else "") +
+                   (f"; the box's pace x{pace:.2f} the profile's (a fixed computation timed at each worker's start)"
+                    if pace is not None else ""))
         for k, e in c["kinds"].items():
             if not e.get("steps") or e["mape_pct"] <= PROFILE_CHECK_MAPE_PCT:
                 continue
@@ -127,6 +136,11 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
             if c["modelled"]:  # timed workers wait the model out: only a late wake-up makes them longer
                 warn.append(f"{name}: its timed workers' {k} steps missed profile {c['profile']}'s times, {off}: the "
                             "box wakes them late (too loaded for the model's pace); its times are not the model's")
+            elif pace is not None and abs(pace - 1) > PACE_DRIFT and abs(e["ratio"] / pace - 1) <= abs(e["ratio"] - 1):
+                warn.append(f"{name}: profile {c['profile']} predicts its {k} steps with {off}, and the box itself "
+                            f"ran at x{pace:.2f} the profile's pace (x{e['ratio'] / pace:.2f} once that is taken out): "
+                            "the box's speed moved since the profile was measured; measure it again just before "
+                            "the run, on a quieter box")
             else:
                 warn.append(f"{name}: profile {c['profile']} predicts its {k} steps with {off}: it does not "
                             "describe these workers; measure one here with pdlab profile")
@@ -138,12 +152,13 @@ def _ms(x: Optional[float]) -> str:
 
 
 def run_facts(variants: dict[str, Any], steps: list[dict], requests: list[dict],
-              kernels: Optional[dict[str, dict]] = None) -> tuple[dict, list[str]]:
+              kernels: Optional[dict[str, dict]] = None,
+              paces: Optional[dict[str, dict]] = None) -> tuple[dict, list[str]]:
     """What a run's summary says of its profiles: ({variants: check_run's result, lines}, warnings): the check
     of every variant whose recipe names a profile, and the profile's provenance for timed variants (measured
     on another CPU, with other kernels than this machine chooses: pdlab.timing.provenance)."""
     try:
-        checks = check_run(variants, steps, requests, kernels=kernels)
+        checks = check_run(variants, steps, requests, kernels=kernels, paces=paces)
     except CheckError as e:
         return {"variants": {}, "lines": [], "error": str(e)}, [f"profile check: {e}"]
     out, warn = lines(checks)

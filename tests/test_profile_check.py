@@ -149,20 +149,21 @@ def test_check_run_lines_and_warnings_beyond_the_threshold():
     assert check_run(vs, steps_of({"prefill": 1, "decode": 1, "mixed": 1}), [])["v"]["profile"] == prof.name
 
 
-def test_the_box_pace_beside_the_steps_tells_a_slower_box_from_a_wrong_model():
-    """Steps x1.5 their prediction while the workers timed the fixed computation x1.45 the profile's: the box
-    moved, and the warning says so (and what to do); with the pace at the profile's, the model is wrong."""
+def test_the_box_pace_stands_beside_the_steps_and_in_their_warnings():
+    """The workers timed the fixed computation x1.45 the profile's: the check line and each warning say so
+    (a fact beside the steps' miss: a snapshot at the workers' start, not a correction); within PACE_DRIFT of
+    the profile's, the warnings leave it out."""
     vs = recipe_variants({"v": {}})
     t = TimingProfile(name="box", step=STEP, pace_ms=20.0)
     slow = steps_of({"prefill": 1.5, "decode": 1.5, "mixed": 1.5})
-    res = check_run(vs, slow, [], profile=t, paces={"v": {"unified0": 29.0}})
-    assert res["v"]["pace"] == pytest.approx(1.45)
+    res = check_run(vs, slow, [], profile=t, paces={"v": {"unified0": 29.0, "unified1": 31.0, "x": 20.0}})
+    assert res["v"]["pace"] == pytest.approx(1.45)  # the median worker's
     out, warn = lines(res)
     assert "the box's pace x1.45 the profile's" in out[0]
-    assert len(warn) == 3 and all("ran at x1.45 the profile's pace (x1.03 once that is taken out)" in w for w in warn)
+    assert len(warn) == 3 and all("(the box's pace at their start was x1.45 the profile's)" in w for w in warn)
     steady = check_run(vs, slow, [], profile=t, paces={"v": {"unified0": 20.5}})
     assert steady["v"]["pace"] == pytest.approx(1.025)
-    assert all("it does not describe these workers" in w for w in lines(steady)[1])
+    assert len(lines(steady)[1]) == 3 and not any("pace" in w for w in lines(steady)[1])
     # no pace on either side (an older profile, a run before workers timed it): nothing said of it
     assert check_run(vs, slow, [], profile=TimingProfile(name="old", step=STEP),
                      paces={"v": {"unified0": 29.0}})["v"]["pace"] is None

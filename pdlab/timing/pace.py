@@ -4,10 +4,12 @@ fast the box was for each.
 Why: on a shared VM the same step takes longer minutes later. On the developers' 2-core box, decode steps of
 one shape drifted from 13 to 21 ms within one benchmark, and a run's steps took x1.2-1.3 their profile's
 prediction while the profile fitted its own held-out steps with R² 0.98 (BENCHMARKS.md, issue 25). A profile
-measured before a run cannot predict that drift; it can notice it. The profile records its pace, every CPU
-worker times the same computation when it starts (its Ready message; env.json's `worker_pace_ms`), and `pdlab
-profile --check` puts the ratio of the two beside the steps' measured / predicted: where both are x1.25, the
-box was slower, not the model wrong.
+measured before a run cannot predict that drift. What this gives is a figure to read beside the miss: the
+profile records its pace, every CPU worker times the same computation when it starts (its Ready message;
+env.json's `worker_pace_ms`), and `pdlab profile --check` shows the ratio of the two with the steps'
+measured / predicted. It is a snapshot at the workers' start, tens of milliseconds long, and the box drifts
+within a run: on the developers' box it matched the steps' ratio in some runs and not in others
+(BENCHMARKS.md), so it is shown, not used to correct anything.
 
 The computation: a decode-sized GEMM (32 x 1024 -> 1024, float32) and a read of 32 MiB (more than a CPU's
 cache, as a step's weights and KV), on the process's own threads; the median of PACE_REPS after a warm-up,

@@ -25,6 +25,7 @@ from pdlab.serve.curve import connect_as_member
 from pdlab.serve.process import die_with_parent, exit_on_signal, pin_process, use_threads
 from pdlab.serve.spec import WorkerSpec
 from pdlab.serve.tensor_group import TensorGroup
+from pdlab.timing.pace import pace_ms
 
 
 def run_worker(spec_dict: dict) -> None:
@@ -102,8 +103,6 @@ class Worker:
         kernels = {n: c.to_dict() for n, c in getattr(self.engine.runner, "kernels", {}).items()}
         pace = None
         if not spec.model.timing and not spec.visible_gpus:  # a CPU worker running its model
-            from pdlab.timing.pace import pace_ms  # deferred: torch
-
             pace = pace_ms()
         self.send(m.Ready(self.name, os.getpid(), handle,
                            self.engine.blocks.num_blocks, self.engine.config.block_size, fp, kernels, pace))

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 from pdlab.serve.launch import start_process
+from pdlab.timing.pace import pace_ms
 
 
 class MeasureError(RuntimeError):
@@ -144,8 +145,6 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     say(f"measuring in a process pinned to {', '.join(job.devices)} ({where}); {len(cases)} cases, about "
         f"{job.steps} steps (prompts/contexts up to {lim.max_context} tokens, up to {lim.max_batch} decodes a step); "
         f"pool {worker.blocks.num_blocks} blocks")
-    from pdlab.timing.pace import pace_ms
-
     paces = [] if cuda else [pace_ms()]  # the box's pace (pdlab.timing.pace), before and after the steps
     t0 = last = time.monotonic()
 

@@ -11,7 +11,9 @@ import pytest
 
 from pdlab.external.stream import StreamError, stream_completion
 
-LIMIT_S = 0.3
+LIMIT_S = 1.0
+STEADY_CHUNKS, STEADY_GAP_S = 25, LIMIT_S / 10  # 2.5 limits in all; a gap is a tenth of one, so a loaded box
+# that stalls the server or the client for a few hundred milliseconds does not break the steady stream off
 
 
 def _chunk(i: int) -> bytes:
@@ -19,17 +21,17 @@ def _chunk(i: int) -> bytes:
 
 
 async def _serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """POST /steady: 12 chunks 0.1 s apart (1.2 s in all, four limits); /silent: one chunk, then nothing."""
+    """POST /steady: STEADY_CHUNKS chunks STEADY_GAP_S apart; /silent: one chunk, then nothing."""
     head = await reader.readuntil(b"\r\n\r\n")
     length = next(int(v) for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")) if k.lower() == b"content-length")
     await reader.readexactly(length)
     writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
     steady = head.split(b" ")[1] == b"/steady"
-    for i in range(12 if steady else 1):
+    for i in range(STEADY_CHUNKS if steady else 1):
         writer.write(_chunk(i))
         await writer.drain()
         if steady:
-            await asyncio.sleep(LIMIT_S / 3)
+            await asyncio.sleep(STEADY_GAP_S)
     if steady:
         writer.write(b"data: [DONE]\n\n")
         await writer.drain()
@@ -67,7 +69,7 @@ async def _both() -> tuple[list, float, float, BaseException]:
 
 def test_a_silent_stream_is_broken_off_and_a_steady_one_is_not():
     got, silent_last, ended, error = asyncio.run(_both())
-    assert got.count(-1) == 12  # the steady stream ran four limits in all and was not broken off
+    assert got.count(-1) == STEADY_CHUNKS  # the steady stream outlived its limit twice over, not broken off
     assert isinstance(error, StreamError) and error.connection and "no answer in time" in str(error)
     assert ended - silent_last >= LIMIT_S  # not before the limit after its last byte
 

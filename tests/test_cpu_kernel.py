@@ -103,8 +103,10 @@ def test_other_compilers_build_every_target_without_warnings(cc, tmp_path, monke
 
 
 @needs_cc
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 32), (4, 4, 64), (16, 8, 128), (8, 1, 64),
-                                                     (6, 2, 24), (12, 4, 40)])  # the last two: generic loops
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (8, 2, 32), (4, 4, 64), (4, 4, 128), (16, 8, 128), (8, 1, 64), (8, 1, 32), (14, 2, 64), (3, 3, 96),  # constant
+    (6, 2, 24), (12, 4, 40),  # head_dim a multiple of 8 the source has no case for: run-time loop bounds
+    (4, 2, 20)])  # head_dim not a multiple of 8: plain loops
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_matches_sdpa_over_scattered_blocks(kernels, heads, kv_heads, head_dim, block_size):
     torch.manual_seed(heads * 1000 + head_dim + block_size)

@@ -101,7 +101,7 @@ class Kernels:
             raise ValueError("decode_attention: q/out need unit stride over head_dim and K/V contiguous blocks")
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = k_blocks.shape[2]
-        scratch = torch.empty(heads * batch.max_len, dtype=torch.float32)
+        scratch = torch.empty(heads * (batch.max_len + head_dim + 1), dtype=torch.float32)
         rc = fn(
             q.data_ptr(), q.stride(0), q.stride(1), batch.rows.data_ptr(), len(batch.rows), heads, kv_heads,
             head_dim, k_blocks.data_ptr(), v_blocks.data_ptr(), k_blocks.shape[1], batch.tables.data_ptr(),

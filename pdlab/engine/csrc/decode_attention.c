@@ -12,7 +12,7 @@
      q, out   rows of the packed batch; element (row, head, d) at row * row_stride + head * head_stride + d
      k, v     one layer's blocks [num_blocks, block_size, kv_heads, head_dim], contiguous
      tables   [batch, width] block ids (int32), lens [batch] context tokens (int32), rows [batch] (int32)
-   scratch: at least heads * max(lens) floats. */
+   scratch: at least heads * (max(lens) + head_dim + 1) floats. */
 
 #include "vec_math.h"
 
@@ -65,57 +65,51 @@ static inline __attribute__((always_inline)) void scores8(
     }
 }
 
-/* One (request, K/V head): its `groups` query heads against the request's `n` context tokens. Inlined into
-   callers with constant `groups` and `head_dim` below, so the loops over them unroll and vectorise without
-   run-time trip counts. head_dim a multiple of 8: eight-float vectors, scores summed across a vector once
-   per (token, head), P @ V accumulated in registers, `CHUNK` vectors of head_dim at a time. */
-#define CHUNK 4
-static inline __attribute__((always_inline)) void attend8(
-        const float *qh, long q_head_stride, const float *k, const float *v, int block_size, const int *table,
-        int n, long token_stride, int h, float scale, float *o, long o_head_stride, float *scratch,
-        const int groups, const int head_dim, const int scored) {
+/* P @ V of one request, every head in one pass over its V rows front to back, each row read once and whole:
+   acc[(h * groups + g) * head_dim + d] (heads * head_dim floats, which stay in L1/L2), from the softmax
+   numerators in scratch. Reading V head by head instead (a strided pass per head and slice of head_dim) ran
+   at half the memory bandwidth: at head_dim 128 a K/V row is 1-2 KiB, and those passes touch 128 bytes of it. */
+static inline __attribute__((always_inline)) void weigh8(
+        const float *v, int block_size, const int *table, int n, int kv_heads, const float *scratch, float *acc,
+        const int groups, const int head_dim) {
     const int dv = head_dim / 8;
-    for (int t0 = 0, blk = 0; !scored && t0 < n; t0 += block_size, blk++) { /* scores: scratch[g * n + t] */
-        const float *kb = k + (long)table[blk] * block_size * token_stride + (long)h * head_dim;
+    const long token_stride = (long)kv_heads * head_dim;
+    for (long i = 0; i < token_stride * groups; i += 8) store8(acc + i, (vec8){0});
+    for (int t0 = 0, blk = 0; t0 < n; t0 += block_size, blk++) {
+        const float *vb = v + (long)table[blk] * block_size * token_stride;
         const int m = n - t0 < block_size ? n - t0 : block_size;
         for (int t = 0; t < m; t++) {
-            const float *kt = kb + t * token_stride;
-            PREFETCH(kt + PREFETCH_ROWS * token_stride);
-            for (int g = 0; g < groups; g++) {
-                const float *qg = qh + g * q_head_stride;
-                vec8 a = load8(qg) * load8(kt);
-                for (int j = 1; j < dv; j++) a += load8(qg + 8 * j) * load8(kt + 8 * j);
-                scratch[g * n + t0 + t] = hsum8(a) * scale;
-            }
-        }
-    }
-    float inv[MAX_GROUP];
-    for (int g = 0; g < groups; g++) { /* softmax rows */
-        float *s = scratch + (long)g * n;
-        inv[g] = 1.0f / exp_sum(s, n, max_of(s, n));
-    }
-    for (int c = 0; c < dv; c += CHUNK) { /* P @ V, CHUNK vectors of head_dim per pass */
-        const int w = dv - c < CHUNK ? dv - c : CHUNK;
-        vec8 acc[MAX_GROUP][CHUNK];
-        for (int g = 0; g < groups; g++)
-            for (int j = 0; j < CHUNK; j++) acc[g][j] = (vec8){0};
-        for (int t0 = 0, blk = 0; t0 < n; t0 += block_size, blk++) {
-            const float *vb = v + (long)table[blk] * block_size * token_stride + (long)h * head_dim + 8 * c;
-            const int m = n - t0 < block_size ? n - t0 : block_size;
-            for (int t = 0; t < m; t++) {
-                const float *vt = vb + t * token_stride;
-                for (int c2 = 0; c2 < 8 * w; c2 += 16) PREFETCH(vt + PREFETCH_ROWS * token_stride + c2);
-                vec8 x[CHUNK];
-                for (int j = 0; j < w; j++) x[j] = load8(vt + 8 * j);
+            const float *vt = vb + t * token_stride;
+            for (long c = 0; c < token_stride; c += 16) PREFETCH(vt + PREFETCH_ROWS * token_stride + c);
+            for (int h = 0; h < kv_heads; h++) {
+                const float *vh = vt + h * head_dim;
                 for (int g = 0; g < groups; g++) {
-                    const float p = scratch[g * n + t0 + t];
-                    for (int j = 0; j < w; j++) acc[g][j] += p * x[j];
+                    const float p = scratch[(long)(h * groups + g) * n + t0 + t];
+                    float *a = acc + (h * groups + g) * head_dim;
+                    for (int j = 0; j < dv; j++) store8(a + 8 * j, load8(a + 8 * j) + p * load8(vh + 8 * j));
                 }
             }
         }
-        for (int g = 0; g < groups; g++)
-            for (int j = 0; j < w; j++) store8(o + (long)g * o_head_stride + 8 * (c + j), acc[g][j] * inv[g]);
     }
+}
+
+/* One request, head_dim a multiple of 8: scores over K, softmax rows, P @ V over V, each read once front to
+   back. Inlined with constant `groups` and `head_dim` for common shapes (the loops over them unroll without
+   run-time trip counts) and with run-time ones for the rest. scratch: heads * (n + head_dim + 1) floats. */
+static inline __attribute__((always_inline)) void request8(
+        const float *qr, long q_head_stride, const float *k, const float *v, int block_size, const int *table,
+        int n, int kv_heads, float scale, float *o, long o_head_stride, float *scratch, const int groups,
+        const int head_dim) {
+    const int heads = kv_heads * groups;
+    float *acc = scratch + (long)heads * n, *inv = acc + (long)heads * head_dim;
+    scores8(qr, q_head_stride, k, block_size, table, n, kv_heads, scale, scratch, groups, head_dim);
+    for (int i = 0; i < heads; i++) { /* softmax rows: numerators in place, 1 / denominator aside */
+        float *s = scratch + (long)i * n;
+        inv[i] = 1.0f / exp_sum(s, n, max_of(s, n));
+    }
+    weigh8(v, block_size, table, n, kv_heads, scratch, acc, groups, head_dim);
+    for (int i = 0; i < heads; i++)
+        for (int j = 0; j < head_dim; j += 8) store8(o + i * o_head_stride + j, load8(acc + i * head_dim + j) * inv[i]);
 }
 
 /* Any shape within the limits: plain loops. */
@@ -161,11 +155,7 @@ static void attend(const float *qh, long q_head_stride, const float *k, const fl
 }
 
 #define CASE(G, D) case (G) * 1024 + (D): \
-    scores8(q + rows[b] * q_row_stride, q_head_stride, k, block_size, table, n, kv_heads, scale, scratch, G, D); \
-    for (int h = 0; h < kv_heads; h++) \
-        attend8(0, q_head_stride, k, v, block_size, table, n, token_stride, h, scale, \
-                out + rows[b] * o_row_stride + (long)h * G * o_head_stride, o_head_stride, \
-                scratch + (long)h * G * n, G, D, 1); \
+    request8(qr, q_head_stride, k, v, block_size, table, n, kv_heads, scale, o, o_head_stride, scratch, G, D); \
     break;
 
 int pdlab_decode_attention(const float *q, long q_row_stride, long q_head_stride, const int *rows, int batch,
@@ -178,20 +168,21 @@ int pdlab_decode_attention(const float *q, long q_row_stride, long q_head_stride
     for (int b = 0; b < batch; b++) {
         const int n = lens[b];
         const int *table = tables + (long)b * width;
+        const float *qr = q + rows[b] * q_row_stride;
+        float *o = out + rows[b] * o_row_stride;
         switch (groups * 1024 + head_dim) { /* the shapes of common models get constant loop bounds */
-            CASE(1, 64) CASE(1, 128) CASE(2, 64) CASE(2, 128) CASE(4, 32) CASE(4, 64) CASE(4, 128)
-            CASE(8, 64) CASE(8, 128)
+            CASE(1, 64) CASE(1, 96) CASE(1, 128) CASE(2, 64) CASE(2, 128) CASE(4, 32) CASE(4, 64) CASE(4, 128)
+            CASE(6, 128) CASE(7, 64) CASE(7, 128) CASE(8, 32) CASE(8, 64) CASE(8, 128)
             default:
-                for (int h = 0; h < kv_heads; h++) {
-                    const float *qh = q + rows[b] * q_row_stride + (long)h * groups * q_head_stride;
-                    float *o = out + rows[b] * o_row_stride + (long)h * groups * o_head_stride;
-                    if (head_dim % 8 == 0)
-                        attend8(qh, q_head_stride, k, v, block_size, table, n, token_stride, h, scale, o,
-                                o_head_stride, scratch, groups, head_dim, 0);
-                    else
-                        attend(qh, q_head_stride, k, v, block_size, table, n, token_stride, h, scale, o,
-                               o_head_stride, scratch, groups, head_dim);
+                if (head_dim % 8 == 0) {
+                    request8(qr, q_head_stride, k, v, block_size, table, n, kv_heads, scale, o, o_head_stride,
+                             scratch, groups, head_dim);
+                    break;
                 }
+                for (int h = 0; h < kv_heads; h++)
+                    attend(qr + (long)h * groups * q_head_stride, q_head_stride, k, v, block_size, table, n,
+                           token_stride, h, scale, o + (long)h * groups * o_head_stride, o_head_stride, scratch,
+                           groups, head_dim);
         }
     }
     return 0;

@@ -8,9 +8,10 @@ streams through the endpoint backend's cluster (pdlab.external.endpoint: one eve
 harness's poll on the main thread), exactly as a run does. The error of a token is its client stamp minus
 its send time.
 
-Two stamps, alternated in one run: `arrival` (pdlab's: when the chunk's socket was first seen readable,
-pdlab.external.arrival) and `taken` (PDLAB_ARRIVAL_STAMPS=0: when the stream took the chunk, as `vllm bench
-serve` stamps; it includes the time the loop spent on other streams first). Two schedules: `spread`, each
+Stamps, alternated in one run: `arrival` (pdlab's, pdlab.external.arrival: when the kernel received the
+chunk's first byte, where it notes receive times, else when the socket was first seen readable), `peek` (the
+latter alone, PDLAB_ARRIVAL_STAMPS=peek) and `taken` (PDLAB_ARRIVAL_STAMPS=0: when the stream took the chunk,
+as `vllm bench serve` stamps; it includes the time the loop spent on other streams first). Two schedules: `spread`, each
 stream at its own phase within the period (requests that arrived at different times); `aligned`, every
 stream's chunk at the same instant (a decode step that emits a token for each of a batch's requests: the
 client then reads a burst, and the last of it waits for the others).
@@ -48,7 +49,7 @@ import numpy as np
 from pdlab.constants import ARRIVAL_STAMPS_ENV
 
 SCHEDULES = ("spread", "aligned")
-STAMPS = ("arrival", "taken")
+STAMPS = {"arrival": "1", "peek": "peek", "taken": "0"}  # -> PDLAB_ARRIVAL_STAMPS
 PHASE = (math.sqrt(5) - 1) / 2  # golden-ratio phases: stream i at frac(i * PHASE) of the period
 
 
@@ -195,8 +196,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=100, help="tokens per stream")
     p.add_argument("--period-ms", default="20,50", help="time between two tokens of one stream; a list runs each")
     p.add_argument("--schedule", choices=(*SCHEDULES, "both"), default="both")
-    p.add_argument("--stamps", choices=(*STAMPS, "both"), default="both",
-                   help="arrival (pdlab's) or taken (PDLAB_ARRIVAL_STAMPS=0, as vllm bench serve); both alternate")
+    p.add_argument("--stamps", default="arrival,taken",
+                   help="arrival (pdlab's: the kernel's receive time where it notes one), peek (when the client "
+                        "first saw the socket readable, PDLAB_ARRIVAL_STAMPS=peek) or taken (PDLAB_ARRIVAL_STAMPS=0, "
+                        "as vllm bench serve); a list alternates, `both` is arrival,taken")
     p.add_argument("--rounds", type=int, default=2, help="alternated rounds of every case")
     p.add_argument("--read-timer", default="watchdog",
                    help="what breaks off a silent stream: watchdog (pdlab's, pdlab.external.silence) or aiohttp "
@@ -204,6 +207,9 @@ def main() -> int:
     p.add_argument("--serve", type=int, default=None, help=argparse.SUPPRESS)  # the server process, on this port
     a = p.parse_args()
     periods = [float(x) for x in str(a.period_ms).split(",")]
+    stamp_modes = ["arrival", "taken"] if a.stamps == "both" else a.stamps.split(",")
+    if any(m not in STAMPS for m in stamp_modes):
+        p.error(f"--stamps: each of {', '.join(STAMPS)}")
     if a.serve is not None:
         serve(a.serve, periods[0] / 1000.0, a.tokens)
         return 0
@@ -217,12 +223,12 @@ def main() -> int:
           f"{'tokens':>6} {'failed':>6} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'p99 end':>8} {'cpu us':>7}")
     for period in periods:
         for r in range(a.rounds):
-            for stamps in (STAMPS if a.stamps == "both" else (a.stamps,)):
+            for stamps in stamp_modes:
                 for timer in a.read_timer.split(","):
                     stream.watchdog = silence.watchdog if timer == "watchdog" else (lambda: None)
                     with fixture(a.tokens, period) as url:
                         for schedule in (SCHEDULES if a.schedule == "both" else (a.schedule,)):
-                            os.environ[ARRIVAL_STAMPS_ENV] = "1" if stamps == "arrival" else "0"
+                            os.environ[ARRIVAL_STAMPS_ENV] = STAMPS[stamps]
                             cpu = time.process_time()
                             err, failed = measure(url, a.streams, a.tokens, SCHEDULES.index(schedule))
                             n = len(err)

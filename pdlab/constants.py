@@ -60,8 +60,9 @@ EXTERNAL_BACKENDS = ("vllm", "endpoint")
 ENDPOINT_KINDS = {"unified": "unified", "disaggregated": "disagg", "disagg": "disagg"}
 ENDPOINT_PROBE_TIMEOUT_S = 30.0  # /v1/models and the one tiny completion checked before measuring an endpoint
 CLIENT_CONNECT_TIMEOUT_S = 10.0  # the HTTP client's connect timeout (its read timeout: deployment.step_timeout_s)
-# PDLAB_ARRIVAL_STAMPS=0: the HTTP client stamps a chunk when its stream takes it, as `vllm bench serve` does,
-# not when its socket was first seen readable (pdlab.external.arrival; benchmarks/bench_client.py compares them)
+# PDLAB_ARRIVAL_STAMPS: how the HTTP client stamps a chunk (pdlab.external.arrival; benchmarks/bench_client.py
+# compares them): 1 (default) when the kernel received it where the kernel notes that, else when its socket was
+# first seen readable; `peek` the latter alone; 0 when its stream takes it, as `vllm bench serve` does
 ARRIVAL_STAMPS_ENV = "PDLAB_ARRIVAL_STAMPS"
 VLLM_PYTHON = ".venv-vllm/bin/python"  # scripts/vllm-env.sh creates it; relative paths are from the cwd
 VLLM_KV_CACHE_GB = 2.0  # VLLM_CPU_KVCACHE_SPACE per CPU server (GiB)

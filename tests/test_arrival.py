@@ -18,6 +18,7 @@ import time
 import pytest
 
 from pdlab.constants import ARRIVAL_STAMPS_ENV
+from pdlab.external import arrival as arrival_mod
 from pdlab.external.loop import ClientLoop
 from pdlab.external.stream import stream_completion
 
@@ -161,6 +162,40 @@ def test_a_stamp_is_never_before_the_send_nor_after_the_stream_took_it():
     for s in range(server.streams):
         stamps = [taken[key][0] for key in sorted(key for key in taken if key[0] == s)]
         assert stamps == sorted(stamps)
+
+
+@pytest.mark.skipif(arrival_mod._recvmsg is None, reason="the kernel's receive times need Linux (SO_TIMESTAMPNS)")
+def test_a_chunk_that_landed_while_the_client_stalled_keeps_the_kernels_receive_time():
+    """The client's loop is blocked (as when the process is descheduled) while each stream's chunk lands, and
+    released later: the stamp is when the kernel received the chunk, before the release, where a stamp from
+    the loop's first look (its next select) would be after it."""
+    server, loop = ChunkServer(3), ClientLoop("arrival-test", 30.0)
+    taken: dict[tuple[int, int], float] = {}
+    releases: dict[int, float] = {}
+    loop.start()
+    try:
+        acceptor = threading.Thread(target=server.accept, daemon=True)
+        acceptor.start()
+        fut = run_streams(server, loop, lambda s, i, t: taken.__setitem__((s, i), t))
+        assert server.ready.wait(30)
+        warm_up(server, lambda: sum(1 for k in taken if k[1] == 0))
+        for i in range(1, 4):
+            hold = Hold(loop).wait()
+            for s in range(server.streams):
+                server.send(s, i)
+            server.delivered()
+            time.sleep(HANDLER_S)
+            releases[i] = time.monotonic()
+            hold.release()
+            while sum(1 for k in taken if k[1] == i) < server.streams:
+                time.sleep(0.005)
+        server.finish()
+        fut.result(30)
+    finally:
+        loop.close()
+    for i, released in releases.items():
+        for s in range(server.streams):
+            assert server.sent[(s, i)] <= taken[(s, i)] < released, (s, i)
 
 
 @pytest.mark.parametrize("arrival", [True, False], ids=["arrival", "taken"])

@@ -55,7 +55,7 @@ def test_one_loop_drives_512_concurrent_streams(tmp_path):
         evs = tokens[str(i)]
         assert [e.index for e in evs] == list(range(20))
         assert [e.token_id for e in evs] == [((i % 500 + 3) * 31 + 7 * k + 3) % 512 for k in range(20)]
-        assert all(a.t < b.t for a, b in zip(evs, evs[1:])) and evs[0].t > sent
+        assert all(a.t <= b.t for a, b in zip(evs, evs[1:])) and evs[0].t > sent  # chunks of one read share a time
         assert done[str(i)].client["chunks"] == [1] * 20 and done[str(i)].client["usage"]["completion_tokens"] == 20
     assert threading.active_count() <= threads_before  # the loop thread ended with the cluster
 

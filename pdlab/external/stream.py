@@ -2,8 +2,8 @@
 `/v1/completions` streamed as server-sent events, and plain JSON calls.
 
 Token times are stamped at the client in time.monotonic() (pdlab's one clock) when the chunk's bytes reached
-the client: when its socket was first seen readable (pdlab.external.arrival), not when the loop got round to
-its line (`vllm bench serve`'s stamp, which includes the loop's work on other streams; PDLAB_ARRIVAL_STAMPS=0
+the client: when the kernel received them, or when its socket was first seen readable where the kernel keeps
+no receive times (pdlab.external.arrival), not when the loop got round to its line (`vllm bench serve`'s stamp, which includes the loop's work on other streams; PDLAB_ARRIVAL_STAMPS=0
 gives that one). A chunk may carry several tokens; the caller gets the chunk and its one time
 (pdlab.external.client keeps chunk sizes for ITL per chunk).
 
@@ -131,7 +131,7 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
             arrived = clock_for(resp.connection.transport if resp.connection is not None else None)
             tail = b""  # a line not yet whole
             async for data in resp.content.iter_any():  # what each read brought: fewer wake-ups than per line
-                beat[0] = time.monotonic()
+                beat[0] = handed = time.monotonic()
                 *lines, tail = (tail + data).split(b"\n")
                 if len(tail) > MAX_LINE:
                     raise StreamError(f"{url}: a line longer than {MAX_LINE} bytes")
@@ -149,7 +149,7 @@ async def stream_completion(session: aiohttp.ClientSession, url: str, body: dict
                     if event.get("error") and not event.get("choices"):
                         raise StreamError(f"{url}: {server_message(json.dumps(event))}")
                     if event.get("choices"):
-                        on_chunk(event, arrived())  # a second chunk of one read: the time it is taken
+                        on_chunk(event, arrived(handed))  # a second chunk of one read: when it was handed over
                         for c in event["choices"]:
                             if c.get("finish_reason"):
                                 final["finish_reason"] = c["finish_reason"]

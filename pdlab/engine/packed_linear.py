@@ -44,6 +44,16 @@ CHECK_ROWS = (4, 7, 32, MAX_ROWS)  # row counts whose bits the check compares
 COLD_BYTES = 64 << 20  # the race cycles through copies of the weight adding up to this (more than a CPU's cache)
 MAX_COPIES = 16
 RACE = "cold-2"  # how the race is run, in the verdict file's name: a changed race does not read old verdicts
+# oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise` on a weight reordered once), as vLLM's CPU backend uses:
+# on AMD CPUs MKL runs its generic kernels (`mkl_blas_def_*`), and there oneDNN's took 32 x 1024 -> 5632 from
+# 15.5 ms (F.linear) to 9.0 (BENCHMARKS.md, 2026-12-02). Its bits are not F.linear's: it is used where a row's
+# bits do not depend on the rows beside it (checked at DNNL_CHECK_ROWS) and are within DNNL_RTOL of F.linear's
+# (of the output's largest magnitude), for every row count, so that batching never changes a request's logits.
+DNNL_CHECK_ROWS = (1, 4, 7, 32, MAX_ROWS, 512)
+DNNL_RTOL = 1e-4
+NAME_OF = {"mkl": PACKED, "dnnl": PACKED + "_dnnl"}  # a kind's entry in the verdict file
+KIND_OF = {v: k for k, v in NAME_OF.items()}
+LABEL = {"mkl": "MKL packed", "dnnl": "oneDNN"}
 
 _verdicts: dict[tuple, Choice] = {}  # (in, out, bias, timed, torch threads) -> this process's choice
 
@@ -53,44 +63,91 @@ def available() -> bool:
             and cpu_kernel.mode() != "off")
 
 
-class Packed:
-    """A weight (and bias) with its packed copy."""
+def dnnl_available() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and cpu_kernel.mode() != "off")
 
-    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor]):
-        self.weight, self.bias = weight, bias
+
+class Packed:
+    """A weight (and bias) with its packed copy: MKL's (`kind` "mkl", F.linear's bits, for MIN_ROWS..MAX_ROWS
+    rows) or oneDNN's ("dnnl", its own bits, for every row count: see DNNL)."""
+
+    def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], kind: str = "mkl"):
+        self.weight, self.bias, self.kind = weight, bias, kind
         self.ptr = weight.data_ptr()
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PROBE_ROWS)
+        if kind == "dnnl":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PROBE_ROWS)
+            self.rows = (1, 1 << 62)
+        else:
+            self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PROBE_ROWS)
+            self.rows = (MIN_ROWS, MAX_ROWS)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """x @ weight.T + bias: packed where the rows fit and the weight is the one packed, else F.linear."""
         rows = x.numel() // x.shape[-1] if x.dim() else 0
-        if (MIN_ROWS <= rows <= MAX_ROWS and weight.data_ptr() == self.ptr and bias is self.bias
+        if (self.rows[0] <= rows <= self.rows[1] and weight.data_ptr() == self.ptr and bias is self.bias
                 and x.dtype == torch.float32 and x.is_contiguous()):
-            y = torch.ops.mkl._mkl_linear(x.reshape(rows, x.shape[-1]), self.packed, weight, bias, rows)
+            x2 = x.reshape(rows, x.shape[-1])
+            if self.kind == "dnnl":
+                y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
+            else:
+                y = torch.ops.mkl._mkl_linear(x2, self.packed, weight, bias, rows)
             return y.reshape(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 
 
+def _dnnl_fits(w: torch.Tensor, b: Optional[torch.Tensor], g: torch.Generator) -> Optional[str]:
+    """Why oneDNN's GEMM cannot serve this weight (None: it can): a row's bits must not depend on how many
+    rows came with it (so a request decoded alone, in a batch or on a decode worker gets the same logits),
+    and they must be within DNNL_RTOL of F.linear's."""
+    p = Packed(w, b, "dnnl")
+    x = torch.randn(max(DNNL_CHECK_ROWS), w.shape[1], generator=g)
+    first = p(x[:1], w, b)
+    for rows in DNNL_CHECK_ROWS:
+        y, ref = p(x[:rows], w, b), F.linear(x[:rows], w, b)
+        if not torch.equal(y[:1], first):
+            return f"its bits at {rows} rows differ from those at 1 row"
+        scale = float(ref.abs().max()) or 1.0
+        if float((y - ref).abs().max()) > DNNL_RTOL * scale:
+            return f"{float((y - ref).abs().max()) / scale:.1e} from F.linear at {rows} rows"
+    return None
+
+
 def check(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
-    """Whether this weight shape goes packed in this process: equal bits, and faster (timed once per shape)."""
+    """Whether this weight shape goes packed in this process, and whose packing (`Choice.why` names it): MKL's
+    where its bits are F.linear's, oneDNN's where `_dnnl_fits`; the faster of those and F.linear, timed once
+    per shape and cached. PDLAB_CPU_KERNEL=on: MKL's wherever its bits agree, untimed."""
     n, k = weight.shape
-    timed = cpu_kernel.mode() != "on"  # PDLAB_CPU_KERNEL=on: wherever the bits agree, untimed
+    timed = cpu_kernel.mode() != "on"
     key = (k, n, bias is not None, timed, torch.get_num_threads())
     if key in _verdicts:
         return _verdicts[key]
     g = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias is not None else None
-    p = Packed(w, b)
-    for rows in CHECK_ROWS:
-        x = torch.randn(rows, k, generator=g)
-        if not torch.equal(p(x, w, b), F.linear(x, w, b)):
-            _verdicts[key] = Choice(False, f"does not apply: bits differ from F.linear at {rows} rows here")
-            return _verdicts[key]
+    why_not: list[str] = []
+    kinds: list[str] = []
+    if available():
+        p = Packed(w, b)
+        for rows in CHECK_ROWS:
+            x = torch.randn(rows, k, generator=g)
+            if not torch.equal(p(x, w, b), F.linear(x, w, b)):
+                why_not.append(f"MKL's bits differ from F.linear at {rows} rows here")
+                break
+        else:
+            kinds.append("mkl")
     if not timed:
-        _verdicts[key] = Choice(True, "on (untimed)")
+        _verdicts[key] = Choice(True, "on (untimed)") if kinds else Choice(False, f"does not apply: {why_not[0]}")
+        return _verdicts[key]
+    if dnnl_available():
+        why = _dnnl_fits(w, b, g)
+        why_not += [f"oneDNN: {why}"] if why else []
+        kinds += [] if why else ["dnnl"]
+    if not kinds:
+        _verdicts[key] = Choice(False, "does not apply: " + ("; ".join(why_not) or "no packed GEMM in this torch"))
         return _verdicts[key]
     x = torch.randn(PROBE_ROWS, k, generator=g)
+
     # copies of the weight, run one after another: in a model the next layer's weight is not in cache, and there
     # F.linear pays for copying it into MKL's layout on every call, which a race on one hot weight hides
     # (qwen2-d64's gate/up: 1.63 against 1.67 ms hot, while 15% of its decode steps went to that copying)
@@ -99,24 +156,30 @@ def check(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
     def race(names: list[str]) -> dict[str, list[float]]:
         copies = max(1, min(MAX_COPIES, -(-COLD_BYTES // max(1, w.numel() * w.element_size()))))
         ws = [w] + [torch.randn(n, k, generator=g) for _ in range(copies - 1)]
-        ps = [p] + [Packed(wi, b) for wi in ws[1:]]
-
-        def packed_all() -> None:
-            for pi, wi in zip(ps, ws):
-                pi(x, wi, b)
 
         def torch_all() -> None:
             for wi in ws:
                 F.linear(x, wi, b)
 
-        packed_ms, torch_ms = _best(packed_all, torch_all)
-        return {PACKED: [packed_ms / copies, torch_ms / copies]}
+        out = {}
+        for name in names:
+            ps = [Packed(wi, b, KIND_OF[name]) for wi in ws]
+
+            def packed_all() -> None:
+                for pi, wi in zip(ps, ws):
+                    pi(x, wi, b)
+
+            packed_ms, torch_ms = _best(packed_all, torch_all)
+            out[name] = [packed_ms / copies, torch_ms / copies]
+        return out
 
     shape = f"{k}x{n}-{'bias' if bias is not None else 'nobias'}-t{torch.get_num_threads()}"
-    packed_ms, torch_ms = cached_times(_verdict_file(), shape, [PACKED], race)[PACKED]
+    times = cached_times(_verdict_file(), shape, [NAME_OF[kind] for kind in kinds], race)
+    best = min(kinds, key=lambda kind: times[NAME_OF[kind]][0])
+    packed_ms, torch_ms = times[NAME_OF[best]]
     faster = packed_ms <= torch_ms
-    _verdicts[key] = Choice(faster, "faster here" if faster else "slower here", round(packed_ms, 4),
-                            round(torch_ms, 4))
+    _verdicts[key] = Choice(faster, f"faster here ({LABEL[best]})" if faster else "slower here",
+                            round(packed_ms, 4), round(torch_ms, 4))
     return _verdicts[key]
 
 
@@ -131,8 +194,8 @@ def pack_linears(model: Any) -> Choice:
     """Pack the float32 CPU linears of `model` whose shape `check` passes; one Choice for the lot, in use when
     any linear is packed (its times: the sums over the packed ones at PROBE_ROWS rows)."""
     unpack(model)  # a model packed before (another engine, another mode) starts over
-    if not available():
-        return Choice(False, "does not apply: no MKL packed GEMM in this torch" if cpu_kernel.mode() != "off"
+    if not (available() or dnnl_available()):
+        return Choice(False, "does not apply: no packed GEMM in this torch" if cpu_kernel.mode() != "off"
                       else f"off ({CPU_KERNEL_ENV}=off)")
     checked: list[Choice] = []
     for m in model.modules():
@@ -151,19 +214,22 @@ def pack_linears(model: Any) -> Choice:
         checked.append(c)
         if not c.use:
             continue
+        kind = "dnnl" if c.why.endswith(f"({LABEL['dnnl']})") else "mkl"
         if group is not None:
-            group.packed = Packed(weight, bias)
+            group.packed = Packed(weight, bias, kind)
         else:
-            m.pdlab_packed = Packed(weight, bias)
+            m.pdlab_packed = Packed(weight, bias, kind)
             m.forward = _packed_forward(m)
     used = [c for c in checked if c.use]
     slow = [c for c in checked if c.why == "slower here"]
     if used:
-        return Choice(True, "on (untimed)") if cpu_kernel.mode() == "on" else _summed(True, "faster here", used)
+        if cpu_kernel.mode() == "on":
+            return Choice(True, "on (untimed)")
+        kinds = [label for label in LABEL.values() if any(c.why.endswith(f"({label})") for c in used)]
+        return _summed(True, f"faster here ({', '.join(kinds)})", used)
     if slow:
         return _summed(False, "slower here", slow)
-    return Choice(False, "does not apply: bits differ from F.linear here" if checked else
-                  "does not apply: no float32 CPU linear")
+    return Choice(False, checked[0].why if checked else "does not apply: no float32 CPU linear")
 
 
 def _summed(use: bool, why: str, choices: list[Choice]) -> Choice:

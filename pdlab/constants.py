@@ -102,7 +102,7 @@ KERNEL_BUILD_TIMEOUT_S = 120.0  # one CPU kernel's compilation (pdlab.engine.ker
 
 # ---- CPU kernels (pdlab.engine.cpu_kernel) ----
 CPU_KERNELS = ("decode_attention", "prefill_attention", "rotary", "swiglu", "rms_norm")
-PACKED_LINEAR = "packed_linear"  # MKL's packed GEMM for decode-sized linears (pdlab.engine.packed_linear), reported beside them
+PACKED_LINEAR = "packed_linear"  # MKL's or oneDNN's packed GEMM for the linears (pdlab.engine.packed_linear), reported beside them
 # PDLAB_CPU_KERNEL: auto (build, and use each kernel where it timed faster than the torch path it replaces on
 # this machine), on (use every kernel that builds and applies, untimed) or off (torch only)
 CPU_KERNEL_ENV = "PDLAB_CPU_KERNEL"

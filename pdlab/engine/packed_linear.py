@@ -1,22 +1,26 @@
-"""MKL's packed GEMM for the linear layers of a CPU decode step: the weight reordered once into MKL's own
-layout (`torch.ops.mkl._mkl_reorder_linear_weight`), each step multiplied by it (`_mkl_linear`), as
-torch's Inductor does for float32 CPU linears and vLLM's CPU backend does with oneDNN.
+"""Packed GEMMs for the CPU linears: the weight reordered once into a library's own layout, each step
+multiplied by it, as torch's Inductor does for float32 CPU linears and vLLM's CPU backend does with oneDNN.
+Two packings, the faster here of them and F.linear chosen per weight shape (`check`):
 
-Why: a decode step's linears have one row per running sequence (tens), and there `F.linear` spends its time
-on the weight's layout rather than on arithmetic. On the developers' AVX2 box, one core: 32 x 1024 -> 5632
-took 15.3 ms with `F.linear` and 11.6 ms packed; 8 rows 8.4 -> 5.0 ms (BENCHMARKS.md, issue 24). Past a few
-hundred rows (a prefill) it is slower (2,048 rows: 346 -> 447 ms), so it serves steps of MIN_ROWS to
-MAX_ROWS rows only; below MIN_ROWS, MKL's `F.linear` takes another path whose bits differ.
+- MKL's (`torch.ops.mkl._mkl_reorder_linear_weight`, `_mkl_linear`), for decode steps of MIN_ROWS to
+  MAX_ROWS rows, where its output equals F.linear's bit for bit. A decode step's linears have one row per
+  running sequence (tens), and there `F.linear` spends its time on the weight's layout rather than on
+  arithmetic: on the developers' AVX2 box, one core, 32 x 1024 -> 5632 took 15.3 ms with `F.linear` and
+  11.6 ms packed. Past a few hundred rows it is slower, and below MIN_ROWS MKL's `F.linear` takes another
+  path whose bits differ. Equal bits hold for 4 rows and more with one thread on the box it was measured on
+  (with two threads they do not), and MKL picks its kernels by ISA, so the check compares them per shape and
+  thread count at several row counts.
+- oneDNN's (`torch.ops.mkldnn._reorder_linear_weight`, `_linear_pointwise`), for every row count. On AMD
+  CPUs MKL runs its generic kernels (`mkl_blas_def_*`), and there oneDNN's took the same GEMM to 9.0 ms
+  against F.linear's 15.5 (2026-12-02). Its bits are not F.linear's, so it serves a weight only where a row's
+  bits do not depend on the rows batched with it (1 to 512 rows: a request's logits are the same alone, in
+  a batch, in a prefill or on a decode worker) and stay within DNNL_RTOL of F.linear's (`_dnnl_fits`).
 
-The same bits: where it is used, its output must equal `F.linear`'s bit for bit (so greedy tokens stay those
-of transformers). That holds for 4 rows and more with one thread on the box it was measured on (with two
-threads it does not), and MKL picks its kernels by ISA, so each process checks per weight shape and thread
-count (`check`): equal bits at several row counts, and at PROBE_ROWS rows no more than `F.linear`'s time, timed
-over copies of the weight that do not fit in cache together, as a model's layers do not;
-otherwise the shape keeps `F.linear`. The timed verdict is cached on disk as the C kernels' are
-(pdlab.engine.kernel_check.cached_times), keyed by torch's build, the CPU, the shape and the thread count: on
-narrow linears the race is close, and processes timing for themselves chose differently within one run
-(qwen2-d64: packed in one worker of three).
+The race runs at PROBE_ROWS rows over copies of the weight that do not fit in cache together, as a model's
+layers do not. The timed verdict is cached on disk as the C kernels' are (pdlab.engine.kernel_check.
+cached_times), keyed by torch's build, the CPU, the shape and the thread count: on narrow linears the race is
+close, and processes timing for themselves chose differently within one run (qwen2-d64: packed in one
+worker of three).
 
 The cost: a second copy of every packed weight (the original stays for the other row counts and for anyone
 who reads the weights). A weight replaced after packing (tensor-parallel sharding) is noticed by its data

@@ -165,6 +165,46 @@ def test_a_stamp_is_never_before_the_send_nor_after_the_stream_took_it():
 
 
 @pytest.mark.skipif(arrival_mod._recvmsg is None, reason="the kernel's receive times need Linux (SO_TIMESTAMPNS)")
+def test_the_kernels_receive_time_of_the_first_unread_byte_leaves_the_bytes_unread():
+    """ReceiveTimes: None with nothing unread, 0.0 for bytes that came before receive times were asked for,
+    else the receive time of the first unread byte (or of a later segment TCP merged into it: never earlier),
+    and the bytes stay to be read."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    received = arrival_mod.ReceiveTimes()
+    try:
+        assert received(client.fileno()) is None
+        server.sendall(b"early")
+        _wait_readable(client)
+        assert received(client.fileno()) == 0.0
+        assert client.recv(100) == b"early"
+        assert arrival_mod.receive_stamps(client)
+        before = time.time()
+        server.sendall(b"first")
+        _wait_readable(client)
+        time.sleep(0.01)
+        server.sendall(b"second")
+        time.sleep(0.01)
+        stamp = received(client.fileno())
+        assert before <= stamp <= time.time() - 0.01  # a receive time (the second's if merged), not now
+        assert received(client.fileno()) == stamp
+        got = b""
+        while len(got) < len(b"firstsecond"):
+            got += client.recv(100)
+        assert got == b"firstsecond"
+    finally:
+        for sock in (client, server, listener):
+            sock.close()
+
+
+def _wait_readable(sock: socket.socket) -> None:
+    import select
+
+    assert select.select([sock], [], [], 10)[0]
+
+
+@pytest.mark.skipif(arrival_mod._recvmsg is None, reason="the kernel's receive times need Linux (SO_TIMESTAMPNS)")
 def test_a_chunk_that_landed_while_the_client_stalled_keeps_the_kernels_receive_time():
     """The client's loop is blocked (as when the process is descheduled) while each stream's chunk lands, and
     released later: the stamp is when the kernel received the chunk, before the release, where a stamp from

@@ -148,6 +148,8 @@ def test_a_dnnl_row_does_not_depend_on_the_rows_beside_it_and_stays_near_f_linea
         y, ref = p(x[:rows], w, b), F.linear(x[:rows], w, b)
         assert torch.equal(y[:1], alone), rows
         assert float((y - ref).abs().max()) <= pl.DNNL_RTOL * float(ref.abs().max()), rows
+    strided = torch.randn(96, 8, generator=g).t()  # a view that is not contiguous gets the same bits
+    assert torch.equal(p(strided, w, b), p(strided.contiguous(), w, b))
     other = torch.randn(160, 96)  # a weight replaced after packing: F.linear on the new one
     assert torch.equal(p(x[:8], other, b), F.linear(x[:8], other, b))
 

@@ -90,10 +90,10 @@ class Packed:
         """x @ weight.T + bias: packed where the rows fit and the weight is the one packed, else F.linear."""
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         if (self.rows[0] <= rows <= self.rows[1] and weight.data_ptr() == self.ptr and bias is self.bias
-                and x.dtype == torch.float32 and x.is_contiguous()):
+                and x.dtype == torch.float32 and (x.is_contiguous() or self.kind == "dnnl")):
             x2 = x.reshape(rows, x.shape[-1])
-            if self.kind == "dnnl":
-                y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")
+            if self.kind == "dnnl":  # every row, strided or not: its bits must not depend on how it came
+                y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, bias, "none", [], "")
             else:
                 y = torch.ops.mkl._mkl_linear(x2, self.packed, weight, bias, rows)
             return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -218,7 +218,7 @@ def pack_linears(model: Any) -> Choice:
         checked.append(c)
         if not c.use:
             continue
-        kind = "dnnl" if c.why.endswith(f"({LABEL['dnnl']})") else "mkl"
+        kind = kind_of(c)
         if group is not None:
             group.packed = Packed(weight, bias, kind)
         else:
@@ -234,6 +234,11 @@ def pack_linears(model: Any) -> Choice:
     if slow:
         return _summed(False, "slower here", slow)
     return Choice(False, checked[0].why if checked else "does not apply: no float32 CPU linear")
+
+
+def kind_of(c: Choice) -> str:
+    """The packing a used Choice from `check` names ("dnnl" or "mkl")."""
+    return "dnnl" if c.why.endswith(f"({LABEL['dnnl']})") else "mkl"
 
 
 def _summed(use: bool, why: str, choices: list[Choice]) -> Choice:

@@ -107,7 +107,7 @@ _recvmsg = _gil_holding_recvmsg()
 class ReceiveTimes:
     """The kernel's receive time (time.time()'s clock) of the first byte a socket holds unread: one MSG_PEEK
     recvmsg of one byte, non-blocking, through one message header made once. None where the socket holds
-    nothing, or its bytes came before SO_TIMESTAMPNS was set on it."""
+    nothing unread; 0.0 where it does but without a time (its bytes came before SO_TIMESTAMPNS was set)."""
 
     def __init__(self) -> None:
         self._byte = ctypes.create_string_buffer(1)
@@ -121,11 +121,13 @@ class ReceiveTimes:
         if _recvmsg is None:
             return None
         self._msg.controllen = _CONTROL_BYTES
-        if _recvmsg(fd, self._ref, _PEEK_FLAGS) <= 0 or self._msg.controllen < _CMSG_HEADER + 16:
+        if _recvmsg(fd, self._ref, _PEEK_FLAGS) <= 0:
             return None
+        if self._msg.controllen < _CMSG_HEADER + 16:
+            return 0.0
         _, level, kind, sec, nsec = struct.unpack_from("=Qiiqq", self._control.raw)
         if level != socket.SOL_SOCKET or kind != SO_TIMESTAMPNS or sec <= 0:
-            return None
+            return 0.0
         return sec + nsec * 1e-9
 
 
@@ -168,6 +170,7 @@ class ArrivalSelector(selectors.EpollSelector):  # type: ignore[misc,valid-type]
     def register(self, fileobj: Any, events: int, data: Any = None) -> selectors.SelectorKey:
         key = super().register(fileobj, events, data)
         self.first.pop(key.fd, None)
+        self.kernel.discard(key.fd)  # a new socket on a reused number notes receive times only once asked
         if events & selectors.EVENT_READ:
             self._watch(key.fd)
         return key
@@ -210,13 +213,13 @@ class ArrivalSelector(selectors.EpollSelector):  # type: ignore[misc,valid-type]
 
     def _seen(self, fd: int, t: float) -> None:
         """fd seen readable at t: its first-seen time is t, or when the kernel received its first unread byte
-        where it notes that (no later than t; None from the kernel: nothing unread, nothing to stamp)."""
+        where it notes that (no later than t). Nothing unread (the bytes were read already): nothing to stamp."""
         if fd not in self.kernel:
             self.first[fd] = t
             return
         received = self._received(fd)
         if received is not None:
-            self.first[fd] = min(t, received - (time.time() - time.monotonic()))
+            self.first[fd] = min(t, received - (time.time() - time.monotonic())) if received else t
 
     def stamp_in_kernel(self, sock: Any) -> None:
         """Stamp `sock`'s bytes with the kernel's receive times from now on, where it can (receive_stamps)."""

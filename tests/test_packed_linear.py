@@ -159,7 +159,7 @@ def test_a_dnnl_row_does_not_depend_on_the_rows_beside_it_and_stays_near_f_linea
 def test_an_engine_with_dnnl_linears_gives_transformers_tokens(preset, monkeypatch):
     """Every linear on oneDNN (its bits, not F.linear's): seven sequences decoding together, then one of them
     again alone, greedy tokens equal to transformers' and to each other."""
-    monkeypatch.setattr(pl, "check", lambda w, b: pl.Choice(True, "faster here (oneDNN)", 1.0, 2.0))
+    monkeypatch.setattr(pl, "verdict", lambda w, b: (pl.Choice(True, "faster here (oneDNN)", 1.0, 2.0), "dnnl"))
     calls: list[int] = []
     real = torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(pl.torch.ops.mkldnn, "_linear_pointwise",

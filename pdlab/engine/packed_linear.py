@@ -59,7 +59,7 @@ NAME_OF = {"mkl": PACKED, "dnnl": PACKED + "_dnnl"}  # a kind's entry in the ver
 KIND_OF = {v: k for k, v in NAME_OF.items()}
 LABEL = {"mkl": "MKL packed", "dnnl": "oneDNN"}
 
-_verdicts: dict[tuple, Choice] = {}  # (in, out, bias, timed, torch threads) -> this process's choice
+_verdicts: dict[tuple, tuple[Choice, str]] = {}  # (in, out, bias, timed, torch threads) -> choice, packing
 
 
 def available() -> bool:
@@ -118,17 +118,26 @@ def _dnnl_fits(w: torch.Tensor, b: Optional[torch.Tensor], g: torch.Generator) -
 
 
 def check(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
-    """Whether this weight shape goes packed in this process, and whose packing (`Choice.why` names it): MKL's
-    where its bits are F.linear's, oneDNN's where `_dnnl_fits`; the faster of those and F.linear, timed once
-    per shape and cached. PDLAB_CPU_KERNEL=on: MKL's wherever its bits agree, untimed."""
+    """Whether this weight shape goes packed in this process (`verdict`'s choice)."""
+    return verdict(weight, bias)[0]
+
+
+def verdict(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[Choice, str]:
+    """Whether this weight shape goes packed in this process, and whose packing ("mkl" or "dnnl"; `Choice.why`
+    names it too): MKL's where its bits are F.linear's, oneDNN's where `_dnnl_fits`; the faster of those and
+    F.linear, timed once per shape and cached. PDLAB_CPU_KERNEL=on: MKL's wherever its bits agree, untimed."""
     n, k = weight.shape
     timed = cpu_kernel.mode() != "on"
     key = (k, n, bias is not None, timed, torch.get_num_threads())
-    if key in _verdicts:
-        return _verdicts[key]
+    if key not in _verdicts:
+        _verdicts[key] = _decide(n, k, bias is not None, timed)
+    return _verdicts[key]
+
+
+def _decide(n: int, k: int, has_bias: bool, timed: bool) -> tuple[Choice, str]:
     g = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=g)
-    b = torch.randn(n, generator=g) if bias is not None else None
+    b = torch.randn(n, generator=g) if has_bias else None
     why_not: list[str] = []
     kinds: list[str] = []
     if available():
@@ -141,15 +150,13 @@ def check(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
         else:
             kinds.append("mkl")
     if not timed:
-        _verdicts[key] = Choice(True, "on (untimed)") if kinds else Choice(False, f"does not apply: {why_not[0]}")
-        return _verdicts[key]
+        return (Choice(True, "on (untimed)") if kinds else Choice(False, f"does not apply: {why_not[0]}")), "mkl"
     if dnnl_available():
         why = _dnnl_fits(w, b, g)
         why_not += [f"oneDNN: {why}"] if why else []
         kinds += [] if why else ["dnnl"]
     if not kinds:
-        _verdicts[key] = Choice(False, "does not apply: " + ("; ".join(why_not) or "no packed GEMM in this torch"))
-        return _verdicts[key]
+        return Choice(False, "does not apply: " + ("; ".join(why_not) or "no packed GEMM in this torch")), "mkl"
     x = torch.randn(PROBE_ROWS, k, generator=g)
 
     # copies of the weight, run one after another: in a model the next layer's weight is not in cache, and there
@@ -177,14 +184,13 @@ def check(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
             out[name] = [packed_ms / copies, torch_ms / copies]
         return out
 
-    shape = f"{k}x{n}-{'bias' if bias is not None else 'nobias'}-t{torch.get_num_threads()}"
+    shape = f"{k}x{n}-{'bias' if has_bias else 'nobias'}-t{torch.get_num_threads()}"
     times = cached_times(_verdict_file(), shape, [NAME_OF[kind] for kind in kinds], race)
     best = min(kinds, key=lambda kind: times[NAME_OF[kind]][0])
     packed_ms, torch_ms = times[NAME_OF[best]]
     faster = packed_ms <= torch_ms
-    _verdicts[key] = Choice(faster, f"faster here ({LABEL[best]})" if faster else "slower here",
-                            round(packed_ms, 4), round(torch_ms, 4))
-    return _verdicts[key]
+    return Choice(faster, f"faster here ({LABEL[best]})" if faster else "slower here", round(packed_ms, 4),
+                  round(torch_ms, 4)), best
 
 
 def _verdict_file() -> str:
@@ -202,6 +208,7 @@ def pack_linears(model: Any) -> Choice:
         return Choice(False, "does not apply: no packed GEMM in this torch" if cpu_kernel.mode() != "off"
                       else f"off ({CPU_KERNEL_ENV}=off)")
     checked: list[Choice] = []
+    kinds: set[str] = set()  # the packings in use
     for m in model.modules():
         group = getattr(m, "pdlab_fused", None)  # a fused q/k/v or gate/up: its concatenated weight, once
         if group is not None:
@@ -214,11 +221,11 @@ def pack_linears(model: Any) -> Choice:
             continue
         if not _float32_cpu(weight):
             continue
-        c = check(weight, bias)
+        c, kind = verdict(weight, bias)
         checked.append(c)
         if not c.use:
             continue
-        kind = kind_of(c)
+        kinds.add(kind)
         if group is not None:
             group.packed = Packed(weight, bias, kind)
         else:
@@ -229,16 +236,10 @@ def pack_linears(model: Any) -> Choice:
     if used:
         if cpu_kernel.mode() == "on":
             return Choice(True, "on (untimed)")
-        kinds = [label for label in LABEL.values() if any(c.why.endswith(f"({label})") for c in used)]
-        return _summed(True, f"faster here ({', '.join(kinds)})", used)
+        return _summed(True, f"faster here ({', '.join(LABEL[k] for k in LABEL if k in kinds)})", used)
     if slow:
         return _summed(False, "slower here", slow)
     return Choice(False, checked[0].why if checked else "does not apply: no float32 CPU linear")
-
-
-def kind_of(c: Choice) -> str:
-    """The packing a used Choice from `check` names ("dnnl" or "mkl")."""
-    return "dnnl" if c.why.endswith(f"({LABEL['dnnl']})") else "mkl"
 
 
 def _summed(use: bool, why: str, choices: list[Choice]) -> Choice:

@@ -11,8 +11,8 @@ its send time.
 Stamps, alternated in one run: `arrival` (pdlab's, pdlab.external.arrival: when the kernel received the
 chunk's first byte, where it notes receive times, else when the socket was first seen readable), `peek` (the
 latter alone, PDLAB_ARRIVAL_STAMPS=peek) and `taken` (PDLAB_ARRIVAL_STAMPS=0: when the stream took the chunk,
-as `vllm bench serve` stamps; it includes the time the loop spent on other streams first). Two schedules: `spread`, each
-stream at its own phase within the period (requests that arrived at different times); `aligned`, every
+as `vllm bench serve` stamps; it includes the time the loop spent on other streams first). Two schedules:
+`spread`, each stream at its own phase within the period (requests that arrived at different times); `aligned`, every
 stream's chunk at the same instant (a decode step that emits a token for each of a batch's requests: the
 client then reads a burst, and the last of it waits for the others).
 

@@ -120,6 +120,31 @@ class Hold:
         self.released.set()
 
 
+def start_streams(server: ChunkServer, loop: ClientLoop, on_chunk, handled) -> concurrent.futures.Future:
+    """Every stream opened (the server accepts them in a thread) and its chunk 0 handled; `handled(i)` counts
+    the streams that handled chunk i."""
+    threading.Thread(target=server.accept, daemon=True).start()
+    fut = run_streams(server, loop, on_chunk)
+    assert server.ready.wait(30)
+    warm_up(server, lambda: handled(0))
+    return fut
+
+
+def burst_while_held(server: ChunkServer, loop: ClientLoop, i: int, handled, held_s: float = 0.0) -> float:
+    """Chunk i to every stream while the client's loop is held, delivered to its sockets before the loop can
+    look, the loop released `held_s` later; returns when, after waiting until every stream handled chunk i."""
+    hold = Hold(loop).wait()
+    for s in range(server.streams):
+        server.send(s, i)
+    server.delivered()
+    time.sleep(held_s)
+    released = time.monotonic()
+    hold.release()
+    while handled(i) < server.streams:
+        time.sleep(0.005)
+    return released
+
+
 def test_a_stamp_is_never_before_the_send_nor_after_the_stream_took_it():
     """Rounds in which each stream's chunk A lands, the loop's select sees it, and before the loop reads it a
     chunk B lands too: one read brings both, and B must not get A's arrival time. Between the rounds, chunks
@@ -128,11 +153,8 @@ def test_a_stamp_is_never_before_the_send_nor_after_the_stream_took_it():
     taken: dict[tuple[int, int], tuple[float, float]] = {}
     loop.start()
     try:
-        acceptor = threading.Thread(target=server.accept, daemon=True)
-        acceptor.start()
-        fut = run_streams(server, loop, lambda s, i, t: taken.__setitem__((s, i), (t, time.monotonic())))
-        assert server.ready.wait(30)
-        warm_up(server, lambda: sum(1 for k in taken if k[1] == 0))
+        fut = start_streams(server, loop, lambda s, i, t: taken.__setitem__((s, i), (t, time.monotonic())),
+                            lambda i: sum(1 for k in taken if k[1] == i))
         i = 1
         for _ in range(4):
             first = Hold(loop).wait()
@@ -212,23 +234,15 @@ def test_a_chunk_that_landed_while_the_client_stalled_keeps_the_kernels_receive_
     server, loop = ChunkServer(3), ClientLoop("arrival-test", 30.0)
     taken: dict[tuple[int, int], float] = {}
     releases: dict[int, float] = {}
+
+    def handled(i: int) -> int:
+        return sum(1 for k in taken if k[1] == i)
+
     loop.start()
     try:
-        acceptor = threading.Thread(target=server.accept, daemon=True)
-        acceptor.start()
-        fut = run_streams(server, loop, lambda s, i, t: taken.__setitem__((s, i), t))
-        assert server.ready.wait(30)
-        warm_up(server, lambda: sum(1 for k in taken if k[1] == 0))
+        fut = start_streams(server, loop, lambda s, i, t: taken.__setitem__((s, i), t), handled)
         for i in range(1, 4):
-            hold = Hold(loop).wait()
-            for s in range(server.streams):
-                server.send(s, i)
-            server.delivered()
-            time.sleep(HANDLER_S)
-            releases[i] = time.monotonic()
-            hold.release()
-            while sum(1 for k in taken if k[1] == i) < server.streams:
-                time.sleep(0.005)
+            releases[i] = burst_while_held(server, loop, i, handled, held_s=HANDLER_S)
         server.finish()
         fut.result(30)
     finally:
@@ -252,21 +266,14 @@ def test_a_chunk_that_waited_for_other_streams_keeps_its_arrival_time(monkeypatc
         time.sleep(HANDLER_S)
         calls.append((s, i, t, entered, time.monotonic()))
 
+    def handled(i: int) -> int:
+        return sum(1 for c in calls if c[1] == i)
+
     loop.start()
     try:
-        acceptor = threading.Thread(target=server.accept, daemon=True)
-        acceptor.start()
-        fut = run_streams(server, loop, on_chunk)
-        assert server.ready.wait(30)
-        warm_up(server, lambda: sum(1 for c in calls if c[1] == 0))
+        fut = start_streams(server, loop, on_chunk, handled)
         for i in range(1, 4):
-            hold = Hold(loop).wait()
-            for s in range(server.streams):
-                server.send(s, i)
-            server.delivered()  # before the loop looks again
-            hold.release()
-            while sum(1 for c in calls if c[1] == i) < server.streams:
-                time.sleep(0.005)
+            burst_while_held(server, loop, i, handled)
         server.finish()
         fut.result(30)
     finally:

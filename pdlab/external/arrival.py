@@ -46,7 +46,8 @@ from typing import Any, Callable, Optional
 
 from pdlab.constants import ARRIVAL_STAMPS_ENV
 
-Clock = Callable[[float], float]  # the stamp of what a stream takes now, given when the bytes holding it were handed over
+# the stamp of what a stream takes now, given when the bytes holding it were handed to the stream
+Clock = Callable[[float], float]
 PEEK_EVENTS = 1024  # sockets reported by one peek; more wait for the next
 # asyncio's socket transport reads with recv(max_size), 256 KiB by default: a fresh 256 KiB buffer per read,
 # which glibc takes from the top of the heap and gives back (trims) when the buffer shrinks to the bytes read.

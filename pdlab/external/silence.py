@@ -3,9 +3,9 @@ limit, instead of aiohttp's `sock_read` timeout.
 
 Why not aiohttp's: it re-arms a timer on every read (cancel the old TimerHandle, push a new one on the loop's
 heap): with this watchdog instead, the client's CPU per chunk fell 10-15% on the developers' box (79-87
-against 72-73 us, 256 spread streams at 5,120 chunks/s, alternated; BENCHMARKS.md, issue 19). Here a read costs one clock read and a store; the watchdog
-looks at every watched stream a few times per limit (so a silent stream is broken off between its limit and
-1.25 times it) and only while some stream is watched.
+against 72-73 us, 256 spread streams at 5,120 chunks/s, alternated; BENCHMARKS.md, issue 19). Here a read
+costs one clock read and a store; the watchdog looks at every watched stream a few times per limit (so a
+silent stream is broken off between its limit and 1.25 times it) and only while some stream is watched.
 
 A stream it breaks off is cancelled; the stream's own code turns that into its timeout error (`expired`).
 """

@@ -3,9 +3,10 @@
 
 Token times are stamped at the client in time.monotonic() (pdlab's one clock) when the chunk's bytes reached
 the client: when the kernel received them, or when its socket was first seen readable where the kernel keeps
-no receive times (pdlab.external.arrival), not when the loop got round to its line (`vllm bench serve`'s stamp, which includes the loop's work on other streams; PDLAB_ARRIVAL_STAMPS=0
-gives that one). A chunk may carry several tokens; the caller gets the chunk and its one time
-(pdlab.external.client keeps chunk sizes for ITL per chunk).
+no receive times (pdlab.external.arrival), not when the loop got round to its line (`vllm bench serve`'s
+stamp, which includes the loop's work on other streams; PDLAB_ARRIVAL_STAMPS=0 gives that one). A chunk may
+carry several tokens; the caller gets the chunk and its one time (pdlab.external.client keeps chunk sizes for
+ITL per chunk).
 
 Errors are StreamError, one line naming the URL and what went wrong; they never quote request headers (an
 API key travels in them). `status` is the HTTP status when the server answered, `connection` tells a

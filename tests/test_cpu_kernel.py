@@ -100,6 +100,7 @@ def test_other_compilers_build_every_target_without_warnings(cc, tmp_path, monke
     for target in distinct_paths(cc, TARGETS):
         k = cpu_kernel.Kernels(target, werror=True)
         assert not k.errors, (cc, target, k.errors)
+        kernel_build.build("gemm", target, werror=True)  # pdlab's GEMM (pdlab.engine.gemm_kernel), built apart
 
 
 @needs_cc

@@ -1,8 +1,8 @@
 """pdlab.engine.packed_linear: where a linear goes through MKL's packed GEMM its output is F.linear's bit for
 bit; steps of fewer than MIN_ROWS or more than MAX_ROWS rows, a weight replaced after packing, and
-PDLAB_CPU_KERNEL=off keep F.linear; where it goes through oneDNN's, a row's bits do not depend on the rows
-beside it and stay near F.linear's; an engine with every linear packed either way gives transformers' greedy
-tokens; the cached verdict is the fastest of what applies."""
+PDLAB_CPU_KERNEL=off keep F.linear; where it goes through oneDNN's or pdlab's own GEMM, a row's bits do not
+depend on the rows beside it and stay near F.linear's; an engine with every linear packed any of these ways
+gives transformers' greedy tokens; the cached verdict is the fastest of what applies."""
 
 import json
 
@@ -121,7 +121,9 @@ def test_the_timed_verdict_is_cached_on_disk_and_read_by_the_next_process(monkey
 
     monkeypatch.setattr(pl, "_best", no_timing)
     names = sorted(written)
-    for times in ([1.0, 3.0], [3.0, 1.0], [4.0, 5.0]):  # whatever the file says is the choice, torch at 2.0
+    # whatever the file says is the choice, torch at 2.0: each packing fastest in turn, then all slower
+    cases = [[1.0 if i == j else 3.0 + i for i in range(len(names))] for j in range(len(names))]
+    for times in cases + [[4.0 + i for i in range(len(names))]]:
         path.write_text(json.dumps({key: {n: [t, 2.0] for n, t in zip(names, times)}}))
         monkeypatch.setattr(pl, "_verdicts", {})
         again = pl.check(w, b)
@@ -131,17 +133,22 @@ def test_the_timed_verdict_is_cached_on_disk_and_read_by_the_next_process(monkey
             assert again.why == f"faster here ({pl.LABEL[pl.KIND_OF[names[best]]]})"
 
 
-@pytest.mark.skipif(not pl.dnnl_available(), reason="this torch has no oneDNN linear")
+ANY_ROWS = [pytest.param("dnnl", marks=pytest.mark.skipif(not pl.dnnl_available(), reason="no oneDNN linear")),
+            pytest.param("gemm", marks=pytest.mark.skipif(not pl.gemm_available(), reason="no pdlab GEMM"))]
+
+
+@pytest.mark.parametrize("kind", ANY_ROWS)
 @pytest.mark.parametrize("bias", [False, True])
-def test_a_dnnl_row_does_not_depend_on_the_rows_beside_it_and_stays_near_f_linear(bias):
-    """What lets oneDNN serve a weight: a request's logits do not change with how many were batched with it
-    (alone, in a decode batch, in a prefill), and stay within DNNL_RTOL of F.linear's."""
+def test_a_row_does_not_depend_on_the_rows_beside_it_and_stays_near_f_linear(kind, bias):
+    """What lets oneDNN's or pdlab's GEMM serve a weight: a request's logits do not change with how many were
+    batched with it (alone, in a decode batch, in a prefill), and stay within DNNL_RTOL of F.linear's."""
     g = torch.Generator().manual_seed(1)
     w = torch.randn(160, 96, generator=g)
     b = torch.randn(160, generator=g) if bias else None
-    if pl._dnnl_fits(w, b, g) is not None:
-        pytest.skip(f"oneDNN does not fit here: {pl._dnnl_fits(w, b, g)}")
-    p = pl.Packed(w, b, "dnnl")
+    if (why := pl._fits(kind, w, b, g)) is not None:
+        assert kind != "gemm", why  # pdlab's own is batch-independent by construction
+        pytest.skip(f"{kind} does not fit here: {why}")
+    p = pl.Packed(w, b, kind)
     x = torch.randn(600, 96, generator=g)
     alone = p(x[:1], w, b)
     for rows in (1, 3, 4, 9, 32, 128, 129, 600):
@@ -154,16 +161,22 @@ def test_a_dnnl_row_does_not_depend_on_the_rows_beside_it_and_stays_near_f_linea
     assert torch.equal(p(x[:8], other, b), F.linear(x[:8], other, b))
 
 
-@pytest.mark.skipif(not pl.dnnl_available(), reason="this torch has no oneDNN linear")
+@pytest.mark.parametrize("kind", ANY_ROWS)
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
-def test_an_engine_with_dnnl_linears_gives_transformers_tokens(preset, monkeypatch):
-    """Every linear on oneDNN (its bits, not F.linear's): seven sequences decoding together, then one of them
-    again alone, greedy tokens equal to transformers' and to each other."""
-    monkeypatch.setattr(pl, "verdict", lambda w, b: (pl.Choice(True, "faster here (oneDNN)", 1.0, 2.0), "dnnl"))
+def test_an_engine_with_any_rows_linears_gives_transformers_tokens(kind, preset, monkeypatch):
+    """Every linear on oneDNN or on pdlab's GEMM (their bits, not F.linear's): seven sequences decoding
+    together, then one of them again alone, greedy tokens equal to transformers' and to each other."""
+    monkeypatch.setattr(pl, "verdict", lambda w, b: (pl.Choice(True, f"faster here ({pl.LABEL[kind]})", 1.0, 2.0),
+                                                     kind))
     calls: list[int] = []
-    real = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(pl.torch.ops.mkldnn, "_linear_pointwise",
-                        lambda x, *a: (calls.append(x.shape[0]), real(x, *a))[1], raising=False)
+    if kind == "dnnl":
+        real = torch.ops.mkldnn._linear_pointwise
+        monkeypatch.setattr(pl.torch.ops.mkldnn, "_linear_pointwise",
+                            lambda x, *a: (calls.append(x.shape[0]), real(x, *a))[1], raising=False)
+    else:
+        real_call = pl.gemm_kernel.Panels.__call__
+        monkeypatch.setattr(pl.gemm_kernel.Panels, "__call__",
+                            lambda self, x, *a: (calls.append(x.shape[0]), real_call(self, x, *a))[1])
     reqs = prompts([5, 17, 40, 33, 64, 1, 90])
     eng = engine(preset, block_size=16, kv_blocks=128)
     pl.pack_linears(eng.model)

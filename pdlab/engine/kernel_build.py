@@ -39,7 +39,8 @@ COMMON = ["-std=c11", "-O3", "-fPIC", "-shared", "-Wall", "-Wextra", "-Wno-psabi
 # kernel must round as torch does: no reassociation, no fused multiply-add.
 REASSOCIATE = ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 FLAGS = {"decode_attention": REASSOCIATE, "prefill_attention": REASSOCIATE, "rotary": ["-ffp-contract=off"],
-         "swiglu": REASSOCIATE, "rms_norm": REASSOCIATE}
+         "swiglu": REASSOCIATE, "rms_norm": REASSOCIATE,
+         "gemm": []}  # sums in order, one fused multiply-add a term (its intrinsics, or fmaf): no reassociation
 TMP_MARK = ".tmp-"  # in the name of a file being written
 
 

@@ -1,6 +1,6 @@
 """Packed GEMMs for the CPU linears: the weight reordered once into a library's own layout, each step
 multiplied by it, as torch's Inductor does for float32 CPU linears and vLLM's CPU backend does with oneDNN.
-Two packings, the faster here of them and F.linear chosen per weight shape (`check`):
+Three packings, the fastest here of them and F.linear chosen per weight shape (`check`):
 
 - MKL's (`torch.ops.mkl._mkl_reorder_linear_weight`, `_mkl_linear`), for decode steps of MIN_ROWS to
   MAX_ROWS rows, where its output equals F.linear's bit for bit. A decode step's linears have one row per
@@ -14,7 +14,11 @@ Two packings, the faster here of them and F.linear chosen per weight shape (`che
   CPUs MKL runs its generic kernels (`mkl_blas_def_*`), and there oneDNN's took the same GEMM to 9.0 ms
   against F.linear's 15.5 (2026-12-02). Its bits are not F.linear's, so it serves a weight only where a row's
   bits do not depend on the rows batched with it (1 to 512 rows: a request's logits are the same alone, in
-  a batch, in a prefill or on a decode worker) and stay within DNNL_RTOL of F.linear's (`_dnnl_fits`).
+  a batch, in a prefill or on a decode worker) and stay within DNNL_RTOL of F.linear's (`_fits`).
+- pdlab's own (csrc/gemm.c through pdlab.engine.gemm_kernel), for every row count, on the same terms as
+  oneDNN's. A row's bits are independent of its batch by construction (each output a sum in order over k).
+  At 32 rows it took qwen2-d64's gate/up (512 -> 3072) to 1.99 ms against oneDNN's 2.69 and MKL's packed
+  2.9 on the AVX2 box (2026-12-02); at 512 rows it is about level with oneDNN.
 
 The race runs at PROBE_ROWS rows over copies of the weight that do not fit in cache together, as a model's
 layers do not. The timed verdict is cached on disk as the C kernels' are (pdlab.engine.kernel_check.
@@ -37,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from pdlab.constants import CPU_KERNEL_ENV, PACKED_LINEAR as PACKED
-from pdlab.engine import cpu_kernel
+from pdlab.engine import cpu_kernel, gemm_kernel
 from pdlab.engine.kernel_build import cache_dir, cpu_flags
 from pdlab.engine.kernel_check import Choice, _best, cached_times
 
@@ -50,14 +54,16 @@ MAX_COPIES = 16
 RACE = "cold-2"  # how the race is run, in the verdict file's name: a changed race does not read old verdicts
 # oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise` on a weight reordered once), as vLLM's CPU backend uses:
 # on AMD CPUs MKL runs its generic kernels (`mkl_blas_def_*`), and there oneDNN's took 32 x 1024 -> 5632 from
-# 15.5 ms (F.linear) to 9.0 (BENCHMARKS.md, 2026-12-02). Its bits are not F.linear's: it is used where a row's
-# bits do not depend on the rows beside it (checked at DNNL_CHECK_ROWS) and are within DNNL_RTOL of F.linear's
-# (of the output's largest magnitude), for every row count, so that batching never changes a request's logits.
+# 15.5 ms (F.linear) to 9.0 (BENCHMARKS.md, 2026-12-02). Its bits, and pdlab's own GEMM's, are not F.linear's:
+# each is used where a row's bits do not depend on the rows beside it (checked at DNNL_CHECK_ROWS) and are within
+# DNNL_RTOL of F.linear's (of the output's largest magnitude), for every row count, so that batching never
+# changes a request's logits.
 DNNL_CHECK_ROWS = (1, 4, 7, 32, MAX_ROWS, 512)
 DNNL_RTOL = 1e-4
-NAME_OF = {"mkl": PACKED, "dnnl": PACKED + "_dnnl"}  # a kind's entry in the verdict file
+NAME_OF = {"mkl": PACKED, "dnnl": PACKED + "_dnnl", "gemm": PACKED + "_gemm"}  # a kind's entry in the verdict file
 KIND_OF = {v: k for k, v in NAME_OF.items()}
-LABEL = {"mkl": "MKL packed", "dnnl": "oneDNN"}
+LABEL = {"mkl": "MKL packed", "dnnl": "oneDNN", "gemm": "pdlab GEMM"}
+ANY_ROWS = ("dnnl", "gemm")  # the packings that serve every row count, with their own bits
 
 _verdicts: dict[tuple, tuple[Choice, str]] = {}  # (in, out, bias, timed, torch threads) -> choice, packing
 
@@ -72,15 +78,23 @@ def dnnl_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and cpu_kernel.mode() != "off")
 
 
+def gemm_available() -> bool:
+    return cpu_kernel.mode() != "off" and gemm_kernel.load() is not None
+
+
 class Packed:
     """A weight (and bias) with its packed copy: MKL's (`kind` "mkl", F.linear's bits, for MIN_ROWS..MAX_ROWS
-    rows) or oneDNN's ("dnnl", its own bits, for every row count: see DNNL)."""
+    rows), oneDNN's ("dnnl") or pdlab's own ("gemm"), these two with their own bits, for every row count (see
+    DNNL_CHECK_ROWS)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], kind: str = "mkl"):
         self.weight, self.bias, self.kind = weight, bias, kind
         self.ptr = weight.data_ptr()
         if kind == "dnnl":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PROBE_ROWS)
+            self.rows = (1, 1 << 62)
+        elif kind == "gemm":
+            self.packed = gemm_kernel.Panels(weight, bias)
             self.rows = (1, 1 << 62)
         else:
             self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PROBE_ROWS)
@@ -90,21 +104,23 @@ class Packed:
         """x @ weight.T + bias: packed where the rows fit and the weight is the one packed, else F.linear."""
         rows = x.numel() // x.shape[-1] if x.dim() else 0
         if (self.rows[0] <= rows <= self.rows[1] and weight.data_ptr() == self.ptr and bias is self.bias
-                and x.dtype == torch.float32 and (x.is_contiguous() or self.kind == "dnnl")):
+                and x.dtype == torch.float32 and (x.is_contiguous() or self.kind in ANY_ROWS)):
             x2 = x.reshape(rows, x.shape[-1])
             if self.kind == "dnnl":  # every row, strided or not: its bits must not depend on how it came
                 y = torch.ops.mkldnn._linear_pointwise(x2.contiguous(), self.packed, bias, "none", [], "")
+            elif self.kind == "gemm":  # any row stride; the same bits as contiguous rows
+                y = self.packed(x2 if x2.stride(-1) == 1 else x2.contiguous())
             else:
                 y = torch.ops.mkl._mkl_linear(x2, self.packed, weight, bias, rows)
             return y.reshape(*x.shape[:-1], weight.shape[0])
         return F.linear(x, weight, bias)
 
 
-def _dnnl_fits(w: torch.Tensor, b: Optional[torch.Tensor], g: torch.Generator) -> Optional[str]:
-    """Why oneDNN's GEMM cannot serve this weight (None: it can): a row's bits must not depend on how many
-    rows came with it (so a request decoded alone, in a batch or on a decode worker gets the same logits),
-    and they must be within DNNL_RTOL of F.linear's."""
-    p = Packed(w, b, "dnnl")
+def _fits(kind: str, w: torch.Tensor, b: Optional[torch.Tensor], g: torch.Generator) -> Optional[str]:
+    """Why packing `kind` (one of ANY_ROWS) cannot serve this weight (None: it can): a row's bits must not
+    depend on how many rows came with it (so a request decoded alone, in a batch or on a decode worker gets the
+    same logits), and they must be within DNNL_RTOL of F.linear's."""
+    p = Packed(w, b, kind)
     x = torch.randn(max(DNNL_CHECK_ROWS), w.shape[1], generator=g)
     first = p(x[:1], w, b)
     for rows in DNNL_CHECK_ROWS:
@@ -123,9 +139,9 @@ def check(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
 
 
 def verdict(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[Choice, str]:
-    """Whether this weight shape goes packed in this process, and whose packing ("mkl" or "dnnl"; `Choice.why`
-    names it too): MKL's where its bits are F.linear's, oneDNN's where `_dnnl_fits`; the faster of those and
-    F.linear, timed once per shape and cached. PDLAB_CPU_KERNEL=on: MKL's wherever its bits agree, untimed."""
+    """Whether this weight shape goes packed in this process, and whose packing ("mkl", "dnnl" or "gemm";
+    `Choice.why` names it too): MKL's where its bits are F.linear's, oneDNN's and pdlab's where `_fits`; the
+    fastest of those and F.linear, timed once per shape and cached. PDLAB_CPU_KERNEL=on: MKL's wherever its bits agree, untimed."""
     n, k = weight.shape
     timed = cpu_kernel.mode() != "on"
     key = (k, n, bias is not None, timed, torch.get_num_threads())
@@ -151,10 +167,11 @@ def _decide(n: int, k: int, has_bias: bool, timed: bool) -> tuple[Choice, str]:
             kinds.append("mkl")
     if not timed:
         return (Choice(True, "on (untimed)") if kinds else Choice(False, f"does not apply: {why_not[0]}")), "mkl"
-    if dnnl_available():
-        why = _dnnl_fits(w, b, g)
-        why_not += [f"oneDNN: {why}"] if why else []
-        kinds += [] if why else ["dnnl"]
+    for kind, there in (("dnnl", dnnl_available()), ("gemm", gemm_available())):
+        if there:
+            why = _fits(kind, w, b, g)
+            why_not += [f"{LABEL[kind]}: {why}"] if why else []
+            kinds += [] if why else [kind]
     if not kinds:
         return Choice(False, "does not apply: " + ("; ".join(why_not) or "no packed GEMM in this torch")), "mkl"
     x = torch.randn(PROBE_ROWS, k, generator=g)
@@ -195,8 +212,8 @@ def _decide(n: int, k: int, has_bias: bool, timed: bool) -> tuple[Choice, str]:
 
 def _verdict_file() -> str:
     """The timed verdicts' file: one per torch build (which carries its MKL) and CPU."""
-    build = hashlib.sha256(f"{RACE} {torch.__version__} {torch.backends.cpu.get_cpu_capability()} {cpu_flags()}"
-                           .encode()).hexdigest()
+    build = hashlib.sha256(f"{RACE} {torch.__version__} {torch.backends.cpu.get_cpu_capability()} {cpu_flags()} "
+                           f"{gemm_kernel.build_name()}".encode()).hexdigest()
     return os.path.join(cache_dir(), f"packed-{build[:16]}.json")
 
 
@@ -204,7 +221,7 @@ def pack_linears(model: Any) -> Choice:
     """Pack the float32 CPU linears of `model` whose shape `check` passes; one Choice for the lot, in use when
     any linear is packed (its times: the sums over the packed ones at PROBE_ROWS rows)."""
     unpack(model)  # a model packed before (another engine, another mode) starts over
-    if not (available() or dnnl_available()):
+    if not (available() or dnnl_available() or gemm_available()):
         return Choice(False, "does not apply: no packed GEMM in this torch" if cpu_kernel.mode() != "off"
                       else f"off ({CPU_KERNEL_ENV}=off)")
     checked: list[Choice] = []

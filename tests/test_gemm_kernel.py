@@ -78,3 +78,20 @@ def test_the_generic_path_has_the_vector_paths_bits():
     p = gemm_kernel.Panels(w, b)
     x = torch.randn(19, 45, generator=g)
     assert torch.equal(p(x, generic), p(x))
+
+
+def test_a_product_split_over_threads_has_the_bits_of_one_thread():
+    """With more torch threads a big product is split by panels over helper threads; every panel is computed
+    as it would be on one, so the bits do not change with the thread count."""
+    w, b, g = weights(1000, 256, True)
+    p = gemm_kernel.Panels(w, b)
+    x = torch.randn(40, 256, generator=g)
+    assert 2 * 40 * 256 * 1000 >= 2 * gemm_kernel.SPLIT_FLOPS  # big enough for two parts
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = p(x)
+        torch.set_num_threads(3)
+        assert torch.equal(p(x), one)
+    finally:
+        torch.set_num_threads(before)

@@ -81,12 +81,15 @@ static const tile_fn TILES[] = {0, tile1, tile2, tile3, tile4,
 #endif
 };
 
-/* Returns 0, or -1 when the rows' scratch cannot be allocated (nothing written). */
+/* Panels p0..p1-1 of the product (output columns 16 p0 .. min(16 p1, n) - 1), so that threads can share one
+   product; each packs the rows for itself. Returns 0, or -1 when the rows' scratch cannot be allocated
+   (nothing written). */
 int pdlab_gemm(const float *x, long rows, long ldx, const float *wp, long k, long n, const float *bias, float *y,
-               long ldy) {
+               long ldy, long p0, long p1) {
     static _Thread_local float *packed; /* the block's rows, MR at a time, k-major; kept for the next call */
     static _Thread_local long packed_len;
-    const long block = rows < ROW_BLOCK ? rows : ROW_BLOCK, panels = (n + PANEL - 1) / PANEL;
+    const long block = rows < ROW_BLOCK ? rows : ROW_BLOCK, all = (n + PANEL - 1) / PANEL;
+    const long panels = p1 < all ? p1 : all;
     if (block * k > packed_len) {
         float *grown = aligned_alloc(64, (size_t)((block * k * (long)sizeof(float) + 63) / 64 * 64));
         if (!grown) return -1;
@@ -103,7 +106,7 @@ int pdlab_gemm(const float *x, long rows, long ldx, const float *wp, long k, lon
             for (long i = 0; i < k; i++)
                 for (long q = 0; q < mr; q++) dst[i * mr + q] = x[(r + q) * ldx + i];
         }
-        for (long p = 0; p < panels; p++) {
+        for (long p = p0; p < panels; p++) {
             const float *b = wp + p * k * PANEL, *pb = bias ? bias + p * PANEL : NULL;
             const long c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
             for (long r = m0; r < m1; r += MR) {

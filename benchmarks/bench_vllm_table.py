@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
@@ -35,21 +36,29 @@ def summarize(cell: dict) -> dict:
     return out
 
 
+def linears(choice: str) -> str:
+    """Whose GEMM pdlab's linears went through, from its packed_linear choice as a run reports it ("kernel:
+    faster here (pdlab GEMM) (7.2 ms vs torch 11.7 ms)"): the packings named, else F.linear."""
+    m = re.match(r"kernel: faster here \(([^)]*)\)", choice or "")
+    return m.group(1) if m else "F.linear"
+
+
 def table(cells: list[dict]) -> str:
     head = ("| shape | workload | cores | ISA | pairs | pdlab / vLLM (median) | range | tokens equal | pdlab s "
-            "| vLLM s | pdlab kernels that ran | vLLM kernels |")
-    rows = [head, "|" + "---|" * 12]
+            "| vLLM s | pdlab kernels that ran | pdlab linears | vLLM kernels |")
+    rows = [head, "|" + "---|" * 13]
     for c in cells:
         where = f"| {c['shape']} | {c['workload']} | {c['threads']} | {c['isa']} "
         if "median_ratio" not in c:
-            rows.append(where + f"| 0 | failed: {c.get('error', 'no pairs')} | | | | | | |")
+            rows.append(where + f"| 0 | failed: {c.get('error', 'no pairs')} | | | | | | | |")
             continue
         equal = "yes" if c["tokens_equal"] else f"no ({c['outputs'] - c['outputs_equal']} of {c['outputs']} differ)"
         ran = ", ".join(SHORT.get(k, k) for k in c["kernels_ran"]) or "none"
         varied = "" if c["kernels_ran_same_every_pair"] else " (varied)"
         rows.append(where + f"| {len(c['pairs'])} | {c['median_ratio']:.2f}x | {c['min_ratio']:.2f}-"
                     f"{c['max_ratio']:.2f} | {equal} | {c['pdlab_median_s']:.2f} | {c['vllm_median_s']:.2f} "
-                    f"| {ran}{varied} | {', '.join(c['vllm_kernels'])} |")
+                    f"| {ran}{varied} | {linears(c['kernel_choices'].get('packed_linear', ''))} "
+                    f"| {', '.join(c['vllm_kernels'])} |")
     return "\n".join(rows)
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdlab.engine import gemm_kernel
+from pdlab.engine import cpu_threads, gemm_kernel
 from pdlab.engine.kernel_build import build, cpu_flags
 
 pytestmark = pytest.mark.skipif(gemm_kernel.load() is None, reason=f"no gemm kernel: {gemm_kernel.error()}")
@@ -86,7 +86,7 @@ def test_a_product_split_over_threads_has_the_bits_of_one_thread():
     w, b, g = weights(1000, 256, True)
     p = gemm_kernel.Panels(w, b)
     x = torch.randn(40, 256, generator=g)
-    assert 2 * 40 * 256 * 1000 >= 2 * gemm_kernel.SPLIT_FLOPS  # big enough for two parts
+    assert 2 * 40 * 256 * 1000 >= 2 * cpu_threads.SPLIT_FLOPS  # big enough for two parts
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

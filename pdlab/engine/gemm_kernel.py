@@ -1,7 +1,7 @@
 """pdlab's own GEMM for the CPU linears (csrc/gemm.c), called through ctypes: the weight packed once into
 panels of 16 output columns, every call y = x W^T + bias. With more than one torch thread a product big enough
-is split by panels over that many threads (ctypes releases the GIL during the call); each panel is computed
-the same way whichever thread runs it, so the bits do not depend on the thread count.
+is split by panels over that many threads (pdlab.engine.cpu_threads); each panel is computed the same way
+whichever thread runs it, so the bits do not depend on the thread count.
 
 It is one of the packings pdlab.engine.packed_linear races per weight shape; it serves a weight only where it
 won the race here and its bits fit (a row's result independent of the rows beside it, by construction, and
@@ -12,21 +12,18 @@ compiler, $PDLAB_KERNEL_MARCH's target, cached); a failed build leaves the other
 from __future__ import annotations
 
 import ctypes
-import os
-from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import torch
 
 from pdlab.constants import GEMM_PANEL
+from pdlab.engine import cpu_threads
 from pdlab.engine.kernel_build import BuildError, build, process_march
 
-SPLIT_FLOPS = 4e6  # a product this big or bigger is split over the torch threads (about 0.1 ms of one core)
 _P, _L = ctypes.c_void_p, ctypes.c_long
 _fn: Optional[ctypes._CFuncPtr] = None
 _path = ""
 _error = ""
-_pool: Optional[tuple[int, int, ThreadPoolExecutor]] = None  # (pid, workers, pool): a forked child makes its own
 
 
 def function(path: str) -> ctypes._CFuncPtr:
@@ -46,14 +43,6 @@ def load() -> Optional[ctypes._CFuncPtr]:
         except (BuildError, OSError, AttributeError) as e:
             _error = str(e) or type(e).__name__
     return _fn
-
-
-def pool(workers: int) -> ThreadPoolExecutor:
-    """This process's helper threads for split products (made on first use, again after a fork)."""
-    global _pool
-    if _pool is None or _pool[0] != os.getpid() or _pool[1] != workers:
-        _pool = (os.getpid(), workers, ThreadPoolExecutor(workers, thread_name_prefix="pdlab-gemm"))
-    return _pool[2]
 
 
 def error() -> str:
@@ -94,14 +83,7 @@ class Panels:
             return y
         args = (x.data_ptr(), rows, x.stride(0) if rows > 1 else self.k, self.panels.data_ptr(), self.k, self.n,
                 self.bias.data_ptr() if self.bias is not None else None, y.data_ptr(), self.n)
-        parts = min(torch.get_num_threads(), panels, max(1, int(2 * rows * self.k * self.n // SPLIT_FLOPS)))
-        if parts == 1:
-            failed = fn(*args, 0, panels)
-        else:
-            cut = [panels * i // parts for i in range(parts + 1)]
-            rest = [pool(parts - 1).submit(fn, *args, cut[i], cut[i + 1]) for i in range(1, parts)]
-            failed = fn(*args, 0, cut[1])
-            failed = failed or any([f.result() for f in rest])
-        if failed:
+        cut = cpu_threads.cuts([1] * panels, cpu_threads.parts(2.0 * rows * self.k * self.n, panels))
+        if cpu_threads.run([lambda a=a, b=b: fn(*args, a, b) for a, b in zip(cut, cut[1:])]):
             raise MemoryError(f"gemm: no scratch for {rows} x {self.k} floats")
         return y

@@ -141,7 +141,8 @@ def check(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Choice:
 def verdict(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[Choice, str]:
     """Whether this weight shape goes packed in this process, and whose packing ("mkl", "dnnl" or "gemm";
     `Choice.why` names it too): MKL's where its bits are F.linear's, oneDNN's and pdlab's where `_fits`; the
-    fastest of those and F.linear, timed once per shape and cached. PDLAB_CPU_KERNEL=on: MKL's wherever its bits agree, untimed."""
+    fastest of those and F.linear, timed once per shape and cached. PDLAB_CPU_KERNEL=on: MKL's wherever its
+    bits agree, untimed."""
     n, k = weight.shape
     timed = cpu_kernel.mode() != "on"
     key = (k, n, bias is not None, timed, torch.get_num_threads())
@@ -211,7 +212,7 @@ def _decide(n: int, k: int, has_bias: bool, timed: bool) -> tuple[Choice, str]:
 
 
 def _verdict_file() -> str:
-    """The timed verdicts' file: one per torch build (which carries its MKL) and CPU."""
+    """The timed verdicts' file: one per torch build (which carries its MKL), CPU and build of pdlab's GEMM."""
     build = hashlib.sha256(f"{RACE} {torch.__version__} {torch.backends.cpu.get_cpu_capability()} {cpu_flags()} "
                            f"{gemm_kernel.build_name()}".encode()).hexdigest()
     return os.path.join(cache_dir(), f"packed-{build[:16]}.json")

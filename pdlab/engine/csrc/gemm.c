@@ -116,7 +116,8 @@ int pdlab_gemm(const float *x, long rows, long ldx, const float *wp, long k, lon
                     TILES[mr](packed + (r - m0) * k, b, k, pb, y + r * ldy + c0, ldy, next);
                 } else {
                     TILES[mr](packed + (r - m0) * k, b, k, pb, edge, PANEL, next);
-                    for (long q = 0; q < mr; q++) memcpy(y + (r + q) * ldy + c0, edge + q * PANEL, cols * sizeof(float));
+                    for (long q = 0; q < mr; q++)
+                        memcpy(y + (r + q) * ldy + c0, edge + q * PANEL, cols * sizeof(float));
                 }
             }
         }

@@ -103,7 +103,8 @@ KERNEL_BUILD_TIMEOUT_S = 120.0  # one CPU kernel's compilation (pdlab.engine.ker
 # ---- CPU kernels (pdlab.engine.cpu_kernel) ----
 CPU_KERNELS = ("decode_attention", "prefill_attention", "rotary", "swiglu", "rms_norm")
 GEMM_PANEL = 16  # output columns per packed panel of pdlab's GEMM (csrc/gemm.c's PANEL)
-PACKED_LINEAR = "packed_linear"  # MKL's or oneDNN's packed GEMM for the linears (pdlab.engine.packed_linear), reported beside them
+# MKL's, oneDNN's or pdlab's packed GEMM for the linears (pdlab.engine.packed_linear), reported beside the kernels
+PACKED_LINEAR = "packed_linear"
 # PDLAB_CPU_KERNEL: auto (build, and use each kernel where it timed faster than the torch path it replaces on
 # this machine), on (use every kernel that builds and applies, untimed) or off (torch only)
 CPU_KERNEL_ENV = "PDLAB_CPU_KERNEL"

@@ -1,6 +1,6 @@
-"""pdlab.engine.cpu_threads: cuts make contiguous, non-empty runs of about equal weight; parts follow the
-torch threads and the work; run gives the first error code of its parts (the GEMM split over threads keeps one
-thread's bits: test_gemm_kernel)."""
+"""pdlab.engine.cpu_threads: cuts make contiguous, non-empty runs of sizes within one; the helper pool is made
+once and grown, not remade, as calls want more or fewer parts; parts follow the torch threads and the work; run
+gives the first error code of its parts (the GEMM split over threads keeps one thread's bits: test_gemm_kernel)."""
 
 import random
 
@@ -17,19 +17,24 @@ def threads():
     torch.set_num_threads(before)
 
 
-def test_cuts_are_contiguous_non_empty_runs_of_about_equal_weight():
-    assert cpu_threads.cuts([1] * 10, 2) == [0, 5, 10]
-    assert cpu_threads.cuts([100, 1, 1, 1], 2) == [0, 1, 4]  # one heavy item is a run of its own
-    assert cpu_threads.cuts([0, 0, 0], 2) in ([0, 1, 3], [0, 2, 3])
+def test_cuts_are_contiguous_non_empty_runs_of_sizes_within_one():
+    assert cpu_threads.cuts(10, 2) == [0, 5, 10]
+    assert cpu_threads.cuts(10, 3) == [0, 3, 6, 10]
     rng = random.Random(0)
     for _ in range(500):
-        m = rng.randint(1, 30)
-        n = rng.randint(1, m)
-        w = [rng.randint(0, 50) for _ in range(m)]
-        c = cpu_threads.cuts(w, n)
-        assert len(c) == n + 1 and c[0] == 0 and c[-1] == m and all(a < b for a, b in zip(c, c[1:])), (w, n, c)
-        heaviest = max(w) if w else 0
-        assert all(sum(w[a:b]) <= sum(w) / n + heaviest for a, b in zip(c, c[1:])), (w, n, c)
+        m = rng.randint(1, 300)
+        n = rng.randint(1, min(m, 16))
+        c = cpu_threads.cuts(m, n)
+        sizes = [b - a for a, b in zip(c, c[1:])]
+        assert len(c) == n + 1 and c[0] == 0 and c[-1] == m and min(sizes) >= 1, (m, n, c)
+        assert max(sizes) - min(sizes) <= 1, (m, n, c)
+
+
+def test_the_helper_pool_is_kept_for_fewer_parts_and_grown_for_more(monkeypatch):
+    monkeypatch.setattr(cpu_threads, "_pool", None)  # whatever an earlier test made
+    two = cpu_threads.pool(2)
+    assert cpu_threads.pool(1) is two and cpu_threads.pool(2) is two
+    assert cpu_threads.pool(3) is not two
 
 
 def test_parts_follow_the_torch_threads_and_the_work(threads):

@@ -9,7 +9,6 @@ its threads against torch's.
 
 from __future__ import annotations
 
-import itertools
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Optional
@@ -26,21 +25,16 @@ def parts(flops: float, most: int) -> int:
     return max(1, min(torch.get_num_threads(), most, int(flops // SPLIT_FLOPS)))
 
 
-def cuts(weights: list[int], n: int) -> list[int]:
-    """n + 1 indices cutting the items into n contiguous runs of about equal total weight (each run at least
-    one item)."""
-    total, run = sum(weights) or 1, list(itertools.accumulate(weights))
-    out = [0]
-    for i in range(1, n):
-        j = next((j + 1 for j, w in enumerate(run) if w * n >= total * i), len(weights))
-        out.append(min(max(j, out[-1] + 1), len(weights) - (n - i)))
-    return out + [len(weights)]
+def cuts(items: int, n: int) -> list[int]:
+    """n + 1 indices cutting `items` into n contiguous runs whose sizes differ by at most one."""
+    return [items * i // n for i in range(n + 1)]
 
 
 def pool(workers: int) -> ThreadPoolExecutor:
-    """This process's helper threads (made on first use, again after a fork or for another count)."""
+    """This process's helper threads, at least `workers` of them: made on first use, again after a fork or when
+    more are wanted, and otherwise kept (a call that wants fewer submits fewer parts)."""
     global _pool
-    if _pool is None or _pool[0] != os.getpid() or _pool[1] != workers:
+    if _pool is None or _pool[0] != os.getpid() or _pool[1] < workers:
         _pool = (os.getpid(), workers, ThreadPoolExecutor(workers, thread_name_prefix="pdlab-kernel"))
     return _pool[2]
 

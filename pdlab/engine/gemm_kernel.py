@@ -83,7 +83,7 @@ class Panels:
             return y
         args = (x.data_ptr(), rows, x.stride(0) if rows > 1 else self.k, self.panels.data_ptr(), self.k, self.n,
                 self.bias.data_ptr() if self.bias is not None else None, y.data_ptr(), self.n)
-        cut = cpu_threads.cuts([1] * panels, cpu_threads.parts(2.0 * rows * self.k * self.n, panels))
+        cut = cpu_threads.cuts(panels, cpu_threads.parts(2.0 * rows * self.k * self.n, panels))
         if cpu_threads.run([lambda a=a, b=b: fn(*args, a, b) for a, b in zip(cut, cut[1:])]):
             raise MemoryError(f"gemm: no scratch for {rows} x {self.k} floats")
         return y

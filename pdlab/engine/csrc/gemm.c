@@ -50,6 +50,26 @@
             _mm256_storeu_ps(c + r * ldc + 8, _mm256_add_ps(c1[r], z1));                                          \
         }                                                                                                         \
     }
+/* One row times four panels (pstride floats apart): eight sums in flight where one row's tile has two, whose
+   fused multiply-adds would wait on each other (a decode step of one sequence). Each output is summed as in
+   tile1, so the bits are tile1's. */
+#define ROW_X4 4
+static void row_x4(const float *a, const float *b, long k, long pstride, const float *bias, float *c) {
+    __m256 acc[2 * ROW_X4];
+    _Pragma("GCC unroll 8") for (int j = 0; j < 2 * ROW_X4; j++) acc[j] = _mm256_setzero_ps();
+    for (long i = 0; i < k; i++) {
+        const __m256 v = _mm256_broadcast_ss(a + i);
+        _Pragma("GCC unroll 4") for (int j = 0; j < ROW_X4; j++) {
+            const float *bj = b + j * pstride + i * PANEL;
+            acc[2 * j] = _mm256_fmadd_ps(v, _mm256_loadu_ps(bj), acc[2 * j]);
+            acc[2 * j + 1] = _mm256_fmadd_ps(v, _mm256_loadu_ps(bj + 8), acc[2 * j + 1]);
+        }
+    }
+    _Pragma("GCC unroll 8") for (int j = 0; j < 2 * ROW_X4; j++) {
+        const __m256 z = bias ? _mm256_loadu_ps(bias + 8 * j) : _mm256_setzero_ps();
+        _mm256_storeu_ps(c + 8 * j, _mm256_add_ps(acc[j], z));
+    }
+}
 #else
 #define MR 4
 #define TILE(R)                                                                                                   \
@@ -106,7 +126,14 @@ int pdlab_gemm(const float *x, long rows, long ldx, const float *wp, long k, lon
             for (long i = 0; i < k; i++)
                 for (long q = 0; q < mr; q++) dst[i * mr + q] = x[(r + q) * ldx + i];
         }
-        for (long p = p0; p < panels; p++) {
+        long p = p0;
+#ifdef ROW_X4
+        if (m1 - m0 == 1) /* a block of one row: four whole panels at a time */
+            for (; p + ROW_X4 <= panels && (p + ROW_X4) * PANEL <= n; p += ROW_X4)
+                row_x4(packed, wp + p * k * PANEL, k, k * PANEL, bias ? bias + p * PANEL : NULL,
+                       y + m0 * ldy + p * PANEL);
+#endif
+        for (; p < panels; p++) {
             const float *b = wp + p * k * PANEL, *pb = bias ? bias + p * PANEL : NULL;
             const long c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
             for (long r = m0; r < m1; r += MR) {

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from engine_helpers import engine, hf_greedy, prompts, reference, run
 from pdlab.constants import CPU_KERNEL_ENV
-from pdlab.engine import cpu_kernel, kernel_build
+from pdlab.engine import cpu_kernel, cpu_threads, kernel_build
 from pdlab.engine.cpu_kernel import DecodeBatch
 from pdlab.engine.kernel_check import Shape, applies
 
@@ -100,7 +100,9 @@ def test_other_compilers_build_every_target_without_warnings(cc, tmp_path, monke
     for target in distinct_paths(cc, TARGETS):
         k = cpu_kernel.Kernels(target, werror=True)
         assert not k.errors, (cc, target, k.errors)
-        kernel_build.build("gemm", target, werror=True)  # pdlab's GEMM (pdlab.engine.gemm_kernel), built apart
+        kernel_build.open_kernel("gemm", target, werror=True)  # pdlab's GEMM (pdlab.engine.gemm_kernel), apart
+        for name in kernel_build.THREADED:  # and the threaded kernels' builds without OpenMP (a compiler without it)
+            kernel_build.build(name, target, werror=True, openmp=False)
 
 
 @needs_cc
@@ -131,6 +133,66 @@ def test_matches_sdpa_over_scattered_blocks(kernels, heads, kv_heads, head_dim, 
         torch.testing.assert_close(out[r], ref[r], rtol=1e-5, atol=1e-5)
     others = [r for r in range(q.shape[0]) if r not in rows]
     assert torch.isnan(out[others]).all(), "rows that are not decode rows were written"
+
+
+@needs_cc
+def test_a_threaded_kernel_without_openmp_is_built_without_it(monkeypatch):
+    """The threaded kernels build with -fopenmp, the others without; where the OpenMP build fails (a compiler
+    without OpenMP), the kernel is built and loaded without it, and the others are not tried twice."""
+    assert all("-fopenmp" in kernel_build.flags(n) for n in kernel_build.THREADED)
+    assert "-fopenmp" not in kernel_build.flags("rotary")
+    real, asked = kernel_build.build, []
+
+    def build(name, march="native", werror=False, openmp=None):
+        asked.append((name, openmp))
+        if openmp:
+            raise kernel_build.BuildError(f"cc failed on {name}.c: unsupported option '-fopenmp'")
+        return real(name, march, werror, openmp)
+
+    monkeypatch.setattr(kernel_build, "build", build)
+    lib, path = kernel_build.open_kernel("decode_attention")
+    assert path == real("decode_attention", openmp=False) and lib.pdlab_decode_attention
+    assert asked == [("decode_attention", True), ("decode_attention", False)]
+    kernel_build.open_kernel("rotary")
+    assert asked[2:] == [("rotary", False)]
+
+
+@needs_cc
+def test_decode_attention_split_over_threads_has_the_bits_of_one(monkeypatch):
+    """Split by requests into parts of about equal context (one per torch thread), each part with its own
+    scratch, every request computed as on one thread: the same bits with 2, 3 or 7 parts, more parts than
+    requests included, and under the split the engine makes with three torch threads."""
+    torch.manual_seed(7)
+    heads, kv_heads, head_dim, block_size = 8, 2, 64, 16
+    kv = torch.randn(2, 300, block_size, kv_heads, head_dim)
+    lens = [900, 3, 17, 400, 1, 250]  # uneven: the cut follows the context, not the request count
+    perm, tables, i = torch.randperm(300).tolist(), [], 0
+    for n in lens:
+        tables.append(perm[i:i + -(-n // block_size)])
+        i += -(-n // block_size)
+    q = torch.randn(len(lens), heads, head_dim)
+    batch = DecodeBatch(list(range(len(lens))), tables, lens)
+    k = cpu_kernel.Kernels()
+
+    def attend() -> torch.Tensor:
+        out = torch.full_like(q, float("nan"))
+        k.decode_attention(q, kv[0], kv[1], batch, head_dim ** -0.5, out)
+        return out
+
+    monkeypatch.setattr(cpu_threads, "parts", lambda flops, most: 1)
+    one = attend()
+    assert not torch.isnan(one).any()
+    for n in (2, 3, 7):
+        monkeypatch.setattr(cpu_threads, "parts", lambda flops, most, n=n: n)
+        assert torch.equal(attend(), one), n
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_threads, "SPLIT_FLOPS", 1.0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert torch.equal(attend(), one)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_limits_are_refused_not_overrun():
@@ -214,14 +276,14 @@ def test_workers_starting_together_compile_once_and_ask_the_compiler_once(tmp_pa
 @needs_cc
 def test_one_kernel_that_fails_to_build_leaves_the_others(monkeypatch):
     """Loading is per kernel: a build error costs that kernel only, and says why."""
-    real = kernel_build.build  # the usual cache: the other kernels are built already
+    real = kernel_build.open_kernel  # the usual cache: the other kernels are built already
 
-    def build(name, *a, **kw):
+    def open_kernel(name, *a, **kw):
         if name == "swiglu":
             raise kernel_build.BuildError("cc failed on swiglu.c: an error")
         return real(name, *a, **kw)
 
-    monkeypatch.setattr(cpu_kernel, "build", build)
+    monkeypatch.setattr(cpu_kernel, "open_kernel", open_kernel)
     k = cpu_kernel.Kernels()
     assert set(k.fns) == set(cpu_kernel.SIGNATURES) - {"swiglu"}
     assert k.status() == "built except swiglu (cc failed on swiglu.c: an error)"

@@ -1,13 +1,12 @@
-"""pdlab.engine.cpu_threads: cuts make contiguous, non-empty runs of sizes within one; the helper pool is made
-once and grown, not remade, as calls want more or fewer parts; parts follow the torch threads and the work; run
-gives the first error code of its parts (the GEMM split over threads keeps one thread's bits: test_gemm_kernel)."""
-
-import random
+"""pdlab.engine.cpu_threads: a kernel call is split into one part per torch thread where the work is big enough,
+and into none where the process holds two OpenMP runtimes; the threaded kernels' builds share torch's runtime,
+so a process that loaded them holds one. (That a split keeps one thread's bits: test_gemm_kernel and
+test_cpu_kernel.)"""
 
 import pytest
 import torch
 
-from pdlab.engine import cpu_threads
+from pdlab.engine import cpu_threads, gemm_kernel
 
 
 @pytest.fixture
@@ -17,38 +16,50 @@ def threads():
     torch.set_num_threads(before)
 
 
-def test_cuts_are_contiguous_non_empty_runs_of_sizes_within_one():
-    assert cpu_threads.cuts(10, 2) == [0, 5, 10]
-    assert cpu_threads.cuts(10, 3) == [0, 3, 6, 10]
-    rng = random.Random(0)
-    for _ in range(500):
-        m = rng.randint(1, 300)
-        n = rng.randint(1, min(m, 16))
-        c = cpu_threads.cuts(m, n)
-        sizes = [b - a for a, b in zip(c, c[1:])]
-        assert len(c) == n + 1 and c[0] == 0 and c[-1] == m and min(sizes) >= 1, (m, n, c)
-        assert max(sizes) - min(sizes) <= 1, (m, n, c)
-
-
-def test_the_helper_pool_is_kept_for_fewer_parts_and_grown_for_more(monkeypatch):
-    monkeypatch.setattr(cpu_threads, "_pool", None)  # whatever an earlier test made
-    two = cpu_threads.pool(2)
-    assert cpu_threads.pool(1) is two and cpu_threads.pool(2) is two
-    assert cpu_threads.pool(3) is not two
-
-
-def test_parts_follow_the_torch_threads_and_the_work(threads):
+def test_parts_follow_the_torch_threads_and_the_work(threads, monkeypatch):
+    monkeypatch.setattr(cpu_threads, "one_runtime", lambda: True)
     threads(1)
     assert cpu_threads.parts(1e12, 8) == 1
     threads(3)
     assert cpu_threads.parts(1e12, 8) == 3
     assert cpu_threads.parts(1e12, 2) == 2  # no more parts than items
     assert cpu_threads.parts(cpu_threads.SPLIT_FLOPS / 2, 8) == 1  # too little work to split
+    assert cpu_threads.parts(1e12, 0) == 1
 
 
-def test_run_gives_the_first_error_of_its_parts_after_all_ran():
-    ran = []
-    assert cpu_threads.run([lambda: ran.append(0), lambda: ran.append(1)]) == 0
-    assert sorted(ran) == [0, 1]
-    assert cpu_threads.run([lambda: 0, lambda: -1, lambda: 0]) == -1
-    assert cpu_threads.run([lambda: None]) == 0
+def test_with_two_openmp_runtimes_nothing_is_split(threads, monkeypatch):
+    monkeypatch.setattr(cpu_threads, "one_runtime", lambda: False)
+    threads(3)
+    assert cpu_threads.parts(1e12, 8) == 1
+
+
+def test_the_runtimes_are_read_from_the_process_maps(tmp_path):
+    gomp, iomp = tmp_path / "libgomp.so.1", tmp_path / "libiomp5.so"
+    for f in (gomp, iomp):
+        f.write_text("")
+    lines = [f"7f00-7f10 r-xp 00000000 08:01 42 {gomp}", f"7f10-7f20 r--p 00010000 08:01 42 {gomp}",
+             "7f20-7f30 r-xp 00000000 08:01 43 /usr/lib/libc.so.6", "7f30-7f40 rw-p 00000000 00:00 0",
+             "7f40-7f50 rw-p 00000000 00:00 0 [heap]"]
+    maps = tmp_path / "maps"
+    maps.write_text("\n".join(lines) + "\n")
+    assert cpu_threads.openmp_runtimes(str(maps)) == {str(gomp)}
+    maps.write_text("\n".join(lines + [f"7f50-7f60 r-xp 00000000 08:01 44 {iomp}"]) + "\n")
+    assert cpu_threads.openmp_runtimes(str(maps)) == {str(gomp), str(iomp)}
+
+
+def test_an_unreadable_map_means_no_split(monkeypatch):
+    def unreadable(maps="/proc/self/maps"):
+        raise OSError("no /proc")
+
+    monkeypatch.setattr(cpu_threads, "openmp_runtimes", unreadable)
+    monkeypatch.setattr(cpu_threads, "_one_runtime", None)
+    assert cpu_threads.one_runtime() is False
+
+
+@pytest.mark.skipif(gemm_kernel.load() is None, reason="no gemm kernel built here")
+def test_the_threaded_kernels_run_on_torchs_own_openmp_runtime():
+    """After torch and the GEMM's build are loaded the process holds one OpenMP runtime (or none, for a build
+    without OpenMP on a torch without it): the build did not bring a second one whose threads would spin
+    against torch's."""
+    torch.ones(64, 64) @ torch.ones(64, 64)  # torch's threads started
+    assert len(cpu_threads.openmp_runtimes()) <= 1, cpu_threads.openmp_runtimes()

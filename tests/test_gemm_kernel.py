@@ -2,6 +2,7 @@
 row count, width and depth; a row's bits do not depend on the rows computed with it, where it lands in a tile
 or row block, or the row stride; the generic C path (no AVX2) gives the AVX2 path's bits."""
 
+import ctypes
 import platform
 import shutil
 
@@ -10,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from pdlab.engine import cpu_threads, gemm_kernel
-from pdlab.engine.kernel_build import build, cpu_flags
+from pdlab.engine.kernel_build import build, cpu_flags, open_kernel
 
 pytestmark = pytest.mark.skipif(gemm_kernel.load() is None, reason=f"no gemm kernel: {gemm_kernel.error()}")
 
@@ -60,12 +61,14 @@ def test_no_rows_give_no_rows_and_a_wrong_width_is_refused():
 
 
 def test_every_target_builds_without_warnings(tmp_path, monkeypatch):
-    """Its own CPU's path, AVX2 with FMA and plain C, with -Werror (the other compilers: test_cpu_kernel)."""
+    """Its own CPU's path, AVX2 with FMA and plain C, with -Werror, with OpenMP where the compiler has it and
+    without (the other compilers: test_cpu_kernel)."""
     monkeypatch.setenv("PDLAB_KERNEL_CACHE", str(tmp_path))
     flags = set(cpu_flags().split())
     targets = ["native"] + (["x86-64-v3"] if {"avx2", "fma"} <= flags else []) + (["x86-64"] if "sse2" in flags else [])
     for target in targets:
-        assert gemm_kernel.function(build("gemm", target, werror=True)), target
+        assert gemm_kernel.function(open_kernel("gemm", target, werror=True)[0]), target
+        assert gemm_kernel.function(ctypes.CDLL(build("gemm", target, werror=True, openmp=False))), target
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or shutil.which("cc") is None,
@@ -73,7 +76,7 @@ def test_every_target_builds_without_warnings(tmp_path, monkeypatch):
 def test_the_generic_path_has_the_vector_paths_bits():
     """Built for plain x86-64 (no AVX2, no FMA) the kernel runs its C loops with fmaf: each term one fused
     multiply-add in the same order, so the same bits as the AVX2 tiles, only slower."""
-    generic = gemm_kernel.function(build("gemm", "x86-64"))
+    generic = gemm_kernel.function(open_kernel("gemm", "x86-64")[0])
     w, b, g = weights(70, 45, True)
     p = gemm_kernel.Panels(w, b)
     for rows in (1, 19):  # one row (four panels at a time on AVX2) and tiles of six with one over
@@ -81,18 +84,25 @@ def test_the_generic_path_has_the_vector_paths_bits():
         assert torch.equal(p(x, generic), p(x)), rows
 
 
-def test_a_product_split_over_threads_has_the_bits_of_one_thread():
-    """With more torch threads a big product is split by panels over helper threads; every panel is computed
-    as it would be on one, so the bits do not change with the thread count."""
-    w, b, g = weights(1000, 256, True)
+def test_a_product_split_over_threads_has_the_bits_of_one_thread(monkeypatch):
+    """With more torch threads a big product is split by panels over torch's OpenMP threads; every panel is
+    computed as it would be on one, so the bits do not change with the number of parts, at one row (four panels
+    at a time), in tiles and across row blocks, with the last panel part-filled and parts of no panel."""
+    w, b, g = weights(1000, 256, True)  # 63 panels, the last of 8 columns
     p = gemm_kernel.Panels(w, b)
-    x = torch.randn(40, 256, generator=g)
-    assert 2 * 40 * 256 * 1000 >= 2 * cpu_threads.SPLIT_FLOPS  # big enough for two parts
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    for rows in (1, 40, ROW_BLOCK + 7):
+        x = torch.randn(rows, 256, generator=g)
+        monkeypatch.setattr(cpu_threads, "parts", lambda flops, most: 1)
         one = p(x)
-        torch.set_num_threads(3)
-        assert torch.equal(p(x), one)
-    finally:
-        torch.set_num_threads(before)
+        for n in (2, 3, 5, 64, 70):  # more parts than panels: the extra ones have nothing to do
+            monkeypatch.setattr(cpu_threads, "parts", lambda flops, most, n=n: n)
+            assert torch.equal(p(x), one), (rows, n)
+        monkeypatch.undo()
+        before = torch.get_num_threads()
+        try:
+            torch.set_num_threads(3)  # the split the engine makes
+            split = cpu_threads.parts(2.0 * rows * 256 * 1000, 63)
+            assert split > 1 or rows == 1 or not cpu_threads.one_runtime(), split
+            assert torch.equal(p(x), one), rows
+        finally:
+            torch.set_num_threads(before)

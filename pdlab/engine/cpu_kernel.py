@@ -13,8 +13,9 @@ at head_dim 32 on an AVX-512 box (which runs it at ~61 GFLOP/s there), and lost 
 AVX2-only one: hence the timing check. The rotary kernel replaces transformers' five ops (two products, a
 negation, a concatenation, a sum: a pass and a temporary each) with one pass giving the same bits; the
 SwiGLU one does silu(gate) * up in one pass after the fused gate/up GEMM (pdlab.engine.fused_linear), and
-the RMSNorm one a row in one pass where torch's op makes five (pdlab.engine.fused_norm). All are
-single-threaded: every CPU rank pdlab starts has one core.
+the RMSNorm one a row in one pass where torch's op makes five (pdlab.engine.fused_norm). Decode attention
+splits a call by requests over torch's threads where a process has more than one (pdlab.engine.cpu_threads);
+the others run on one thread: every CPU rank pdlab starts by default has one core.
 
 Each kernel loads on its own: one that fails to build leaves the others in use. $PDLAB_CPU_KERNEL (`auto`,
 the default; `on`; `off`), no compiler, a failed build, a dtype other than float32, head sizes beyond the
@@ -35,7 +36,8 @@ import torch
 
 from pdlab.constants import CPU_KERNEL_ENV, CPU_KERNEL_MODES, CPU_KERNELS, KERNEL_MARCH_ENV, cdiv
 from pdlab.engine.blocks import padded_tables
-from pdlab.engine.kernel_build import BuildError, build, process_march
+from pdlab.engine import cpu_threads
+from pdlab.engine.kernel_build import BuildError, open_kernel, process_march
 
 MAX_GROUP, MAX_DIM = 32, 256  # the decode kernel's limits (query heads per K/V head, head_dim), as in the source
 PREFILL_ROWS = 8  # csrc/prefill_attention.c's ROWS: query heads per K/V head at most this many
@@ -43,7 +45,8 @@ PREFILL_ROWS = 8  # csrc/prefill_attention.c's ROWS: query heads per K/V head at
 _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 # each kernel (csrc/<name>.c): its C function's argument and result types
 SIGNATURES = {
-    "decode_attention": ([_P, _L, _L, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P, _L, _L, _P], ctypes.c_int),
+    "decode_attention": ([_P, _L, _L, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P, _L, _L, _P, _L, _I],
+                         ctypes.c_int),
     "prefill_attention": ([_P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _I, _I, _I, _F, _P, _L, _L, _P], ctypes.c_int),
     "rotary": ([_P, _L, _L, _I, _I, _I, _P, _P, _P], None),
     "swiglu": ([_P, _L, _L, _L, _P], None),
@@ -70,8 +73,8 @@ class Kernels:
         self.paths: dict[str, str] = {}
         for name, (args, result) in SIGNATURES.items():
             try:
-                self.paths[name] = build(name, march, werror)
-                fn = getattr(ctypes.CDLL(self.paths[name]), f"pdlab_{name}")
+                lib, self.paths[name] = open_kernel(name, march, werror)
+                fn = getattr(lib, f"pdlab_{name}")
             except (BuildError, OSError, AttributeError) as e:
                 self.errors[name] = str(e)
                 continue
@@ -101,12 +104,14 @@ class Kernels:
             raise ValueError("decode_attention: q/out need unit stride over head_dim and K/V contiguous blocks")
         heads, head_dim = q.shape[1], q.shape[2]
         kv_heads = k_blocks.shape[2]
-        scratch = torch.empty(heads * (batch.max_len + head_dim + 1), dtype=torch.float32)
+        parts = cpu_threads.parts(4.0 * batch.tokens * heads * head_dim, len(batch.rows))  # QK^T and PV
+        per_part = heads * (batch.max_len + head_dim + 1)
+        scratch = torch.empty(parts * per_part, dtype=torch.float32)
         rc = fn(
             q.data_ptr(), q.stride(0), q.stride(1), batch.rows.data_ptr(), len(batch.rows), heads, kv_heads,
             head_dim, k_blocks.data_ptr(), v_blocks.data_ptr(), k_blocks.shape[1], batch.tables.data_ptr(),
             batch.width, batch.lens.data_ptr(), scale, out.data_ptr(), out.stride(0), out.stride(1),
-            scratch.data_ptr())
+            scratch.data_ptr(), per_part, parts)
         if rc:
             raise ValueError(f"decode_attention: heads {heads} / kv heads {kv_heads} / head_dim {head_dim} "
                              f"beyond the kernel's limits")
@@ -233,6 +238,7 @@ class DecodeBatch:
         self.lens = torch.tensor(lens, dtype=torch.int32)
         self.width = width
         self.max_len = max(lens)
+        self.tokens = sum(lens)  # context tokens of the whole batch
 
 
 def decode_attention(q: torch.Tensor, k_blocks: torch.Tensor, v_blocks: torch.Tensor, batch: DecodeBatch,

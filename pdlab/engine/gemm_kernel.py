@@ -1,7 +1,7 @@
 """pdlab's own GEMM for the CPU linears (csrc/gemm.c), called through ctypes: the weight packed once into
 panels of 16 output columns, every call y = x W^T + bias. With more than one torch thread a product big enough
-is split by panels over that many threads (pdlab.engine.cpu_threads); each panel is computed the same way
-whichever thread runs it, so the bits do not depend on the thread count.
+is split by panels over that many of torch's OpenMP threads (pdlab.engine.cpu_threads); each panel is computed
+the same way whichever thread runs it, so the bits do not depend on the thread count.
 
 It is one of the packings pdlab.engine.packed_linear races per weight shape; it serves a weight only where it
 won the race here and its bits fit (a row's result independent of the rows beside it, by construction, and
@@ -18,18 +18,18 @@ import torch
 
 from pdlab.constants import GEMM_PANEL
 from pdlab.engine import cpu_threads
-from pdlab.engine.kernel_build import BuildError, build, process_march
+from pdlab.engine.kernel_build import BuildError, open_kernel, process_march
 
-_P, _L = ctypes.c_void_p, ctypes.c_long
+_P, _L, _I = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
 _fn: Optional[ctypes._CFuncPtr] = None
 _path = ""
 _error = ""
 
 
-def function(path: str) -> ctypes._CFuncPtr:
-    """pdlab_gemm from a build of csrc/gemm.c, typed."""
-    fn = ctypes.CDLL(path).pdlab_gemm
-    fn.argtypes, fn.restype = [_P, _L, _L, _P, _L, _L, _P, _P, _L, _L, _L], ctypes.c_int
+def function(lib: ctypes.CDLL) -> ctypes._CFuncPtr:
+    """pdlab_gemm from a loaded build of csrc/gemm.c, typed."""
+    fn = lib.pdlab_gemm
+    fn.argtypes, fn.restype = [_P, _L, _L, _P, _L, _L, _P, _P, _L, _I], ctypes.c_int
     return fn
 
 
@@ -38,8 +38,8 @@ def load() -> Optional[ctypes._CFuncPtr]:
     global _fn, _path, _error
     if _fn is None and not _error:
         try:
-            _path = build("gemm", process_march())
-            _fn = function(_path)
+            lib, _path = open_kernel("gemm", process_march())
+            _fn = function(lib)
         except (BuildError, OSError, AttributeError) as e:
             _error = str(e) or type(e).__name__
     return _fn
@@ -81,9 +81,8 @@ class Panels:
         y = torch.empty(rows, self.n, dtype=torch.float32)
         if not rows:
             return y
-        args = (x.data_ptr(), rows, x.stride(0) if rows > 1 else self.k, self.panels.data_ptr(), self.k, self.n,
-                self.bias.data_ptr() if self.bias is not None else None, y.data_ptr(), self.n)
-        cut = cpu_threads.cuts(panels, cpu_threads.parts(2.0 * rows * self.k * self.n, panels))
-        if cpu_threads.run([lambda a=a, b=b: fn(*args, a, b) for a, b in zip(cut, cut[1:])]):
+        if fn(x.data_ptr(), rows, x.stride(0) if rows > 1 else self.k, self.panels.data_ptr(), self.k, self.n,
+              self.bias.data_ptr() if self.bias is not None else None, y.data_ptr(), self.n,
+              cpu_threads.parts(2.0 * rows * self.k * self.n, panels)):
             raise MemoryError(f"gemm: no scratch for {rows} x {self.k} floats")
         return y

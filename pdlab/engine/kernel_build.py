@@ -10,6 +10,13 @@ temporary name that is renamed into place, and a temporary left by a build that 
 next build (under the lock nobody else is compiling). The compiler's identity (`cc --version`) is asked once
 per process, and not at all on a cache hit of the same process.
 
+The kernels that split a call over threads (THREADED: the GEMM by panels, decode attention by requests) build
+with `-fopenmp` where the compiler can, and without it where it cannot (their parts then run one after another,
+with the same bits). Their OpenMP runtime is torch's: the build links `libgomp.so.1`, and a process that
+imported torch already holds torch's copy under that name, so the loader hands over that one and our parallel
+regions run on torch's own intra-op threads; nothing spins against them (pdlab.engine.cpu_threads checks that the
+process holds one OpenMP runtime, not two, before it splits anything).
+
 Every kernel builds as C11 (`-std=c11`) with warnings on; the tests build with `-Werror` and for more than
 one target (`-march=native`, and `x86-64-v3`, the AVX2 path, where this CPU can run it). The engine's build is
 native unless $PDLAB_KERNEL_MARCH names another target (`process_march()`): `x86-64-v3` on an AVX-512 box stands in
@@ -19,6 +26,7 @@ for an AVX2-only CPU in benchmarks.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import functools
 import hashlib
@@ -26,7 +34,7 @@ import os
 import platform
 import shutil
 import subprocess
-from typing import Iterator
+from typing import Iterator, Optional
 
 from pdlab.constants import KERNEL_BUILD_TIMEOUT_S, KERNEL_MARCH_ENV
 
@@ -41,6 +49,8 @@ REASSOCIATE = ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-f
 FLAGS = {"decode_attention": REASSOCIATE, "prefill_attention": REASSOCIATE, "rotary": ["-ffp-contract=off"],
          "swiglu": REASSOCIATE, "rms_norm": REASSOCIATE,
          "gemm": []}  # sums in order, one fused multiply-add a term (its intrinsics, or fmaf): no reassociation
+THREADED = ("gemm", "decode_attention")  # kernels whose calls take a number of parts to run on as many threads
+OPENMP = ["-fopenmp"]
 TMP_MARK = ".tmp-"  # in the name of a file being written
 
 
@@ -85,8 +95,24 @@ def process_march() -> str:
     return os.environ.get(KERNEL_MARCH_ENV, "").strip() or "native"
 
 
-def flags(name: str, march: str = "native", werror: bool = False) -> list[str]:
-    return [*COMMON, f"-march={march}", *FLAGS[name], *(["-Werror"] if werror else [])]
+def flags(name: str, march: str = "native", werror: bool = False, openmp: Optional[bool] = None) -> list[str]:
+    """The compiler's arguments; openmp: with -fopenmp (default: for THREADED kernels)."""
+    threads = OPENMP if (name in THREADED if openmp is None else openmp) else []
+    return [*COMMON, f"-march={march}", *FLAGS[name], *threads, *(["-Werror"] if werror else [])]
+
+
+def open_kernel(name: str, march: str = "native", werror: bool = False) -> tuple[ctypes.CDLL, str]:
+    """Kernel `name` built (or taken from the cache) and loaded: (ctypes.CDLL, path). A THREADED kernel whose
+    OpenMP build fails to compile or to load (a compiler without OpenMP, a runtime missing a symbol) is built
+    without it; raises BuildError or OSError when no build loads."""
+    if name in THREADED:
+        try:
+            path = build(name, march, werror, openmp=True)
+            return ctypes.CDLL(path), path
+        except (BuildError, OSError):
+            pass
+    path = build(name, march, werror, openmp=False)
+    return ctypes.CDLL(path), path
 
 
 @contextlib.contextmanager
@@ -100,14 +126,14 @@ def locked(directory: str) -> Iterator[None]:
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def build(name: str, march: str = "native", werror: bool = False) -> str:
-    """The path of kernel `name`'s shared object for `-march=<march>`, built if it is not cached; raises
-    BuildError with the reason."""
+def build(name: str, march: str = "native", werror: bool = False, openmp: Optional[bool] = None) -> str:
+    """The path of kernel `name`'s shared object for `-march=<march>` (openmp: as in `flags`), built if it is
+    not cached; raises BuildError with the reason."""
     cc = compiler()
     if shutil.which(cc) is None:
         raise BuildError(f"no C compiler ({cc} not found)")
     source = os.path.join(CSRC, f"{name}.c")
-    argv = flags(name, march, werror)
+    argv = flags(name, march, werror, openmp)
     with open(source, "rb") as f:
         src = f.read()
     for header in sorted(h for h in os.listdir(CSRC) if h.endswith(".h")):  # included sources change the build

@@ -12,12 +12,13 @@
      q, out   rows of the packed batch; element (row, head, d) at row * row_stride + head * head_stride + d
      k, v     one layer's blocks [num_blocks, block_size, kv_heads, head_dim], contiguous
      tables   [batch, width] block ids (int32), lens [batch] context tokens (int32), rows [batch] (int32)
-   scratch: at least heads * (max(lens) + head_dim + 1) floats. */
+   scratch: `parts` runs of part_scratch >= heads * (max(lens) + head_dim + 1) floats, one per thread. */
 
 #include "vec_math.h"
 
 #define MAX_GROUP 32
 #define MAX_DIM 256
+#define MAX_PARTS 256 /* threads one call may run on */
 #define PREFETCH_ROWS 8 /* tokens ahead: K/V rows come from L3 or DRAM, read front to back */
 
 /* Eight floats as one value (GCC/Clang vector extension: AVX or NEON registers, generic code elsewhere). */
@@ -158,14 +159,13 @@ static void attend(const float *qh, long q_head_stride, const float *k, const fl
     request8(qr, q_head_stride, k, v, block_size, table, n, kv_heads, scale, o, o_head_stride, scratch, G, D); \
     break;
 
-int pdlab_decode_attention(const float *q, long q_row_stride, long q_head_stride, const int *rows, int batch,
-                           int heads, int kv_heads, int head_dim, const float *k, const float *v, int block_size,
-                           const int *tables, int width, const int *lens, float scale, float *out,
-                           long o_row_stride, long o_head_stride, float *scratch) {
-    const int groups = heads / kv_heads;
-    if (groups > MAX_GROUP || head_dim > MAX_DIM || groups * kv_heads != heads) return -1;
+/* Requests first..last-1 of the batch, with one part's scratch. */
+static void requests(const float *q, long q_row_stride, long q_head_stride, const int *rows, int first, int last,
+                     int kv_heads, int head_dim, const float *k, const float *v, int block_size, const int *tables,
+                     int width, const int *lens, float scale, float *out, long o_row_stride, long o_head_stride,
+                     float *scratch, const int groups) {
     const long token_stride = (long)kv_heads * head_dim;
-    for (int b = 0; b < batch; b++) {
+    for (int b = first; b < last; b++) {
         const int n = lens[b];
         const int *table = tables + (long)b * width;
         const float *qr = q + rows[b] * q_row_stride;
@@ -185,5 +185,32 @@ int pdlab_decode_attention(const float *q, long q_row_stride, long q_head_stride
                            groups, head_dim);
         }
     }
+}
+
+/* Every decode request of the batch, in `parts` contiguous runs of requests of about equal context (one per
+   thread of an OpenMP team of torch's runtime: pdlab.engine.kernel_build), each with its own `part_scratch`
+   floats of scratch. A request is computed the same way in any part, so the bits do not depend on `parts`;
+   built without OpenMP the parts run one after another. */
+int pdlab_decode_attention(const float *q, long q_row_stride, long q_head_stride, const int *rows, int batch,
+                           int heads, int kv_heads, int head_dim, const float *k, const float *v, int block_size,
+                           const int *tables, int width, const int *lens, float scale, float *out,
+                           long o_row_stride, long o_head_stride, float *scratch, long part_scratch, int parts) {
+    const int groups = heads / kv_heads;
+    if (groups > MAX_GROUP || head_dim > MAX_DIM || groups * kv_heads != heads) return -1;
+    if (parts < 1) parts = 1;
+    if (parts > MAX_PARTS) return -1;
+    int cut[MAX_PARTS + 1]; /* part i: requests cut[i]..cut[i+1]-1, each in the part its context starts in */
+    long total = 0, before = 0;
+    for (int b = 0; b < batch; b++) total += lens[b];
+    for (int i = 0; i <= parts; i++) cut[i] = batch;
+    cut[0] = 0;
+    for (int b = 0, i = 1; b < batch; before += lens[b], b++)
+        while (i < parts && before * parts >= total * i) cut[i++] = b;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+#endif
+    for (int i = 0; i < parts; i++)
+        requests(q, q_row_stride, q_head_stride, rows, cut[i], cut[i + 1], kv_heads, head_dim, k, v, block_size,
+                 tables, width, lens, scale, out, o_row_stride, o_head_stride, scratch + i * part_scratch, groups);
     return 0;
 }

@@ -101,15 +101,14 @@ static const tile_fn TILES[] = {0, tile1, tile2, tile3, tile4,
 #endif
 };
 
-/* Panels p0..p1-1 of the product (output columns 16 p0 .. min(16 p1, n) - 1), so that threads can share one
-   product; each packs the rows for itself. Returns 0, or -1 when the rows' scratch cannot be allocated
-   (nothing written). */
-int pdlab_gemm(const float *x, long rows, long ldx, const float *wp, long k, long n, const float *bias, float *y,
-               long ldy, long p0, long p1) {
+/* Panels p0..p1-1 of the product (output columns 16 p0 .. min(16 p1, n) - 1): one thread's part of it, which
+   packs the rows for itself. Returns 0, or -1 when the rows' scratch cannot be allocated. */
+static int panels(const float *x, long rows, long ldx, const float *wp, long k, long n, const float *bias, float *y,
+                  long ldy, long p0, long p1) {
     static _Thread_local float *packed; /* the block's rows, MR at a time, k-major; kept for the next call */
     static _Thread_local long packed_len;
     const long block = rows < ROW_BLOCK ? rows : ROW_BLOCK, all = (n + PANEL - 1) / PANEL;
-    const long panels = p1 < all ? p1 : all;
+    const long last = p1 < all ? p1 : all;
     if (block * k > packed_len) {
         float *grown = aligned_alloc(64, (size_t)((block * k * (long)sizeof(float) + 63) / 64 * 64));
         if (!grown) return -1;
@@ -129,16 +128,16 @@ int pdlab_gemm(const float *x, long rows, long ldx, const float *wp, long k, lon
         long p = p0;
 #ifdef ROW_X4
         if (m1 - m0 == 1) /* a block of one row: four whole panels at a time */
-            for (; p + ROW_X4 <= panels && (p + ROW_X4) * PANEL <= n; p += ROW_X4)
+            for (; p + ROW_X4 <= last && (p + ROW_X4) * PANEL <= n; p += ROW_X4)
                 row_x4(packed, wp + p * k * PANEL, k, k * PANEL, bias ? bias + p * PANEL : NULL,
                        y + m0 * ldy + p * PANEL);
 #endif
-        for (; p < panels; p++) {
+        for (; p < last; p++) {
             const float *b = wp + p * k * PANEL, *pb = bias ? bias + p * PANEL : NULL;
             const long c0 = p * PANEL, cols = n - c0 < PANEL ? n - c0 : PANEL;
             for (long r = m0; r < m1; r += MR) {
                 const long mr = m1 - r < MR ? m1 - r : MR;
-                const float *next = r == m0 && p + 1 < panels ? b + k * PANEL : NULL; /* one tile fetches it */
+                const float *next = r == m0 && p + 1 < last ? b + k * PANEL : NULL; /* one tile fetches it */
                 if (cols == PANEL) {
                     TILES[mr](packed + (r - m0) * k, b, k, pb, y + r * ldy + c0, ldy, next);
                 } else {
@@ -150,4 +149,21 @@ int pdlab_gemm(const float *x, long rows, long ldx, const float *wp, long k, lon
         }
     }
     return 0;
+}
+
+/* The whole product, its panels cut into `parts` even runs, one per thread of an OpenMP team (torch's runtime
+   and threads: pdlab.engine.kernel_build). A panel is computed the same way whichever part it falls in, so the
+   bits do not depend on `parts`; built without OpenMP the parts run one after another. Returns 0, or -1 when
+   a part's row scratch cannot be allocated. */
+int pdlab_gemm(const float *x, long rows, long ldx, const float *wp, long k, long n, const float *bias, float *y,
+               long ldy, int parts) {
+    const long all = (n + PANEL - 1) / PANEL;
+    int failed = 0;
+    if (parts < 1) parts = 1;
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(| : failed) if (parts > 1)
+#endif
+    for (int i = 0; i < parts; i++)
+        failed |= panels(x, rows, ldx, wp, k, n, bias, y, ldy, all * i / parts, all * (i + 1) / parts) != 0;
+    return failed ? -1 : 0;
 }

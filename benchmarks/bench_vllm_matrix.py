@@ -5,7 +5,7 @@ Shapes and workloads are benchmarks/bench_vllm_cells.py's: transformers configs 
 directory per shape that both engines load (head_dim 32, 64, 128; 8, 4, 1 query heads per K/V head; Qwen2's q/k/v
 biases; Phi-3's fused projections); prefill-heavy, decode-heavy and mixed prompts of token ids. Per cell, --pairs
 pairs alternating which engine goes first; each run is a fresh process per engine pinned to --threads cores from
---core on (vLLM: VLLM_CPU_OMP_THREADS_BIND; pdlab: torch threads; pdlab's own C kernels are single-threaded),
+--core on (vLLM: VLLM_CPU_OMP_THREADS_BIND; pdlab: torch threads, which its GEMM and decode attention use too),
 timed over generating every request after a warm-up (start-up, loading, compilation, warm-up untimed); greedy,
 float32, ignore_eos; outputs compared token for token. Both engines get one token budget per step (vLLM's
 max_num_batched_tokens) and 64 sequences at most; pdlab runs its default scheduling (a prompt longer than the

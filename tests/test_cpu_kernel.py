@@ -371,6 +371,38 @@ def test_prefill_matches_causal_sdpa(kernels, heads, kv_heads, head_dim, n):
     assert torch.isnan(out[0]).all() and torch.isnan(out[1 + n:]).all()
 
 
+@needs_cc
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(8, 2, 64), (4, 4, 128), (8, 1, 32)])
+def test_prefill_split_over_threads_has_the_bits_of_one(heads, kv_heads, head_dim, monkeypatch):
+    """Blocks of positions dealt round the parts (one per torch thread), each part scoring into its own
+    scratch: the same bits with 2, 3 or 5 parts, a last block part-filled, and under the engine's own split with
+    three torch threads."""
+    torch.manual_seed(heads + head_dim)
+    n = 203
+    q, k, v = torch.randn(n, heads, head_dim), torch.randn(n, kv_heads, head_dim), torch.randn(n, kv_heads, head_dim)
+    kernels = cpu_kernel.Kernels()
+
+    def attend() -> torch.Tensor:
+        out = torch.full((n, heads, head_dim), float("nan"))
+        kernels.prefill_attention(q, k, v, head_dim ** -0.5, out)
+        return out
+
+    monkeypatch.setattr(cpu_threads, "parts", lambda flops, most: 1)
+    one = attend()
+    assert not torch.isnan(one).any()
+    for parts in (2, 3, 5):
+        monkeypatch.setattr(cpu_threads, "parts", lambda flops, most, parts=parts: parts)
+        assert torch.equal(attend(), one), parts
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_threads, "SPLIT_FLOPS", 1.0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert torch.equal(attend(), one)
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_prefill_limits():
     def ok(*shape, dtype=torch.float32):
         return applies("prefill_attention", Shape(*shape, 64, 64), dtype) is None

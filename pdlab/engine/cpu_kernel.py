@@ -14,8 +14,8 @@ AVX2-only one: hence the timing check. The rotary kernel replaces transformers' 
 negation, a concatenation, a sum: a pass and a temporary each) with one pass giving the same bits; the
 SwiGLU one does silu(gate) * up in one pass after the fused gate/up GEMM (pdlab.engine.fused_linear), and
 the RMSNorm one a row in one pass where torch's op makes five (pdlab.engine.fused_norm). Decode attention
-splits a call by requests over torch's threads where a process has more than one (pdlab.engine.cpu_threads);
-the others run on one thread: every CPU rank pdlab starts by default has one core.
+splits a call by requests, and prefill attention by blocks of positions, over torch's threads where a process
+has more than one (pdlab.engine.cpu_threads); the others run on one thread (a CPU rank has one core by default).
 
 Each kernel loads on its own: one that fails to build leaves the others in use. $PDLAB_CPU_KERNEL (`auto`,
 the default; `on`; `off`), no compiler, a failed build, a dtype other than float32, head sizes beyond the
@@ -47,7 +47,7 @@ _P, _I, _L, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_float
 SIGNATURES = {
     "decode_attention": ([_P, _L, _L, _P, _I, _I, _I, _I, _P, _P, _I, _P, _I, _P, _F, _P, _L, _L, _P, _L, _I],
                          ctypes.c_int),
-    "prefill_attention": ([_P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _I, _I, _I, _F, _P, _L, _L, _P], ctypes.c_int),
+    "prefill_attention": ([_P, _L, _L, _P, _L, _L, _P, _L, _L, _I, _I, _I, _I, _F, _P, _L, _L, _P, _I], ctypes.c_int),
     "rotary": ([_P, _L, _L, _I, _I, _I, _P, _P, _P], None),
     "swiglu": ([_P, _L, _L, _L, _P], None),
     "rms_norm": ([_P, _L, _L, _L, _P, _F, _P], None),
@@ -125,11 +125,14 @@ class Kernels:
             if x.stride(2) != 1:
                 raise ValueError("prefill_attention: tensors need unit stride over head_dim")
         n, heads, head_dim = q.shape
-        scratch = torch.empty((head_dim + PREFILL_ROWS) * (cdiv(n, 16) * 16), dtype=torch.float32)  # rows to 16
+        groups = heads // max(k.shape[1], 1)
+        blocks = cdiv(n, max(PREFILL_ROWS // max(groups, 1), 1))
+        parts = cpu_threads.parts(2.0 * n * n * heads * head_dim, blocks)  # QK^T and PV, causal: half of n x n
+        scratch = torch.empty((head_dim + parts * PREFILL_ROWS) * (cdiv(n, 16) * 16), dtype=torch.float32)
         rc = pre(
             q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), v.data_ptr(),
             v.stride(0), v.stride(1), n, heads, k.shape[1], head_dim, scale, out.data_ptr(), out.stride(0),
-            out.stride(1), scratch.data_ptr())
+            out.stride(1), scratch.data_ptr(), parts)
         if rc:
             raise ValueError(f"prefill_attention: heads {heads} / kv heads {k.shape[1]} / head_dim {head_dim} "
                              f"beyond the kernel's limits")

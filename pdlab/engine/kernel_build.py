@@ -10,7 +10,8 @@ temporary name that is renamed into place, and a temporary left by a build that 
 next build (under the lock nobody else is compiling). The compiler's identity (`cc --version`) is asked once
 per process, and not at all on a cache hit of the same process.
 
-The kernels that split a call over threads (THREADED: the GEMM by panels, decode attention by requests) build
+The kernels that split a call over threads (THREADED: the GEMM by panels, decode attention by requests, prefill
+attention by blocks of positions) build
 with `-fopenmp` where the compiler can, and without it where it cannot (their parts then run one after another,
 with the same bits). Their OpenMP runtime is torch's: the build links `libgomp.so.1`, and a process that
 imported torch already holds torch's copy under that name, so the loader hands over that one and our parallel
@@ -49,7 +50,7 @@ REASSOCIATE = ["-fno-math-errno", "-fassociative-math", "-fno-signed-zeros", "-f
 FLAGS = {"decode_attention": REASSOCIATE, "prefill_attention": REASSOCIATE, "rotary": ["-ffp-contract=off"],
          "swiglu": REASSOCIATE, "rms_norm": REASSOCIATE,
          "gemm": []}  # sums in order, one fused multiply-add a term (its intrinsics, or fmaf): no reassociation
-THREADED = ("gemm", "decode_attention")  # kernels whose calls take a number of parts to run on as many threads
+THREADED = ("gemm", "decode_attention", "prefill_attention")  # their calls take a number of parts (threads)
 OPENMP = ["-fopenmp"]
 TMP_MARK = ".tmp-"  # in the name of a file being written
 

@@ -14,7 +14,7 @@ Three packings, the fastest here of them and F.linear chosen per weight shape (`
   CPUs MKL runs its generic kernels (`mkl_blas_def_*`), and there oneDNN's took the same GEMM to 9.0 ms
   against F.linear's 15.5 (2026-12-02). Its bits are not F.linear's, so it serves a weight only where a row's
   bits do not depend on the rows batched with it (1 to 512 rows: a request's logits are the same alone, in
-  a batch, in a prefill or on a decode worker) and stay within DNNL_RTOL of F.linear's (`_fits`).
+  a batch, in a prefill or on a decode worker) and stay within ANY_ROWS_RTOL of F.linear's (`_fits`).
 - pdlab's own (csrc/gemm.c through pdlab.engine.gemm_kernel), for every row count, on the same terms as
   oneDNN's. A row's bits are independent of its batch by construction (each output a sum in order over k).
   At 32 rows it took qwen2-d64's gate/up (512 -> 3072) to 1.99 ms against oneDNN's 2.69 and MKL's packed
@@ -55,11 +55,11 @@ RACE = "cold-2"  # how the race is run, in the verdict file's name: a changed ra
 # oneDNN's GEMM (`torch.ops.mkldnn._linear_pointwise` on a weight reordered once), as vLLM's CPU backend uses:
 # on AMD CPUs MKL runs its generic kernels (`mkl_blas_def_*`), and there oneDNN's took 32 x 1024 -> 5632 from
 # 15.5 ms (F.linear) to 9.0 (BENCHMARKS.md, 2026-12-02). Its bits, and pdlab's own GEMM's, are not F.linear's:
-# each is used where a row's bits do not depend on the rows beside it (checked at DNNL_CHECK_ROWS) and are within
-# DNNL_RTOL of F.linear's (of the output's largest magnitude), for every row count, so that batching never
+# each is used where a row's bits do not depend on the rows beside it (checked at ANY_ROWS_CHECK) and are within
+# ANY_ROWS_RTOL of F.linear's (of the output's largest magnitude), for every row count, so that batching never
 # changes a request's logits.
-DNNL_CHECK_ROWS = (1, 4, 7, 32, MAX_ROWS, 512)
-DNNL_RTOL = 1e-4
+ANY_ROWS_CHECK = (1, 4, 7, 32, MAX_ROWS, 512)
+ANY_ROWS_RTOL = 1e-4
 NAME_OF = {"mkl": PACKED, "dnnl": PACKED + "_dnnl", "gemm": PACKED + "_gemm"}  # a kind's entry in the verdict file
 KIND_OF = {v: k for k, v in NAME_OF.items()}
 LABEL = {"mkl": "MKL packed", "dnnl": "oneDNN", "gemm": "pdlab GEMM"}
@@ -85,7 +85,7 @@ def gemm_available() -> bool:
 class Packed:
     """A weight (and bias) with its packed copy: MKL's (`kind` "mkl", F.linear's bits, for MIN_ROWS..MAX_ROWS
     rows), oneDNN's ("dnnl") or pdlab's own ("gemm"), these two with their own bits, for every row count (see
-    DNNL_CHECK_ROWS)."""
+    ANY_ROWS_CHECK)."""
 
     def __init__(self, weight: torch.Tensor, bias: Optional[torch.Tensor], kind: str = "mkl"):
         self.weight, self.bias, self.kind = weight, bias, kind
@@ -119,16 +119,16 @@ class Packed:
 def _fits(kind: str, w: torch.Tensor, b: Optional[torch.Tensor], g: torch.Generator) -> Optional[str]:
     """Why packing `kind` (one of ANY_ROWS) cannot serve this weight (None: it can): a row's bits must not
     depend on how many rows came with it (so a request decoded alone, in a batch or on a decode worker gets the
-    same logits), and they must be within DNNL_RTOL of F.linear's."""
+    same logits), and they must be within ANY_ROWS_RTOL of F.linear's."""
     p = Packed(w, b, kind)
-    x = torch.randn(max(DNNL_CHECK_ROWS), w.shape[1], generator=g)
+    x = torch.randn(max(ANY_ROWS_CHECK), w.shape[1], generator=g)
     first = p(x[:1], w, b)
-    for rows in DNNL_CHECK_ROWS:
+    for rows in ANY_ROWS_CHECK:
         y, ref = p(x[:rows], w, b), F.linear(x[:rows], w, b)
         if not torch.equal(y[:1], first):
             return f"its bits at {rows} rows differ from those at 1 row"
         scale = float(ref.abs().max()) or 1.0
-        if float((y - ref).abs().max()) > DNNL_RTOL * scale:
+        if float((y - ref).abs().max()) > ANY_ROWS_RTOL * scale:
             return f"{float((y - ref).abs().max()) / scale:.1e} from F.linear at {rows} rows"
     return None
 

@@ -16,7 +16,7 @@
    Built like decode_attention.c (associative float math, -march=native); exp and softmax helpers from vec_math.h.
 
    Layouts (float32): element (t, head, d) of q / k / v / out at t * row_stride + head * head_stride + d;
-   scratch: (head_dim + ROWS) * n16 floats, n16 = n rounded up to a multiple of 16. */
+   scratch: (head_dim + parts * ROWS) * n16 floats, n16 = n rounded up to a multiple of 16. */
 
 #include "vec_math.h"
 
@@ -110,36 +110,49 @@ static inline __attribute__((always_inline)) void block(
     }
 }
 
+/* Blocks of positions split over `parts` threads of an OpenMP team of torch's runtime (pdlab.engine.kernel_build),
+   block i to part i mod parts, so that every part gets blocks near and far from the start (a block's work grows
+   with its position); each part scores into its own rows of scratch. A block is computed the same way in any
+   part, so the bits do not depend on `parts`; built without OpenMP the parts run one after another. */
 int pdlab_prefill_attention(const float *q, long q_row, long q_head, const float *k, long k_row, long k_head,
                             const float *v, long v_row, long v_head, int n, int heads, int kv_heads, int head_dim,
-                            float scale, float *out, long o_row, long o_head, float *scratch) {
+                            float scale, float *out, long o_row, long o_head, float *scratch, int parts) {
     const int groups = heads / kv_heads;
     if (head_dim % 16 || head_dim > MAX_DIM || groups * kv_heads != heads || groups > ROWS) return -1;
+    if (parts < 1) parts = 1;
     const int n16 = (n + 15) / 16 * 16; /* K^T and score rows padded to whole vectors */
-    float *kt = scratch, *s = scratch + (long)head_dim * n16;
+    float *kt = scratch;
     const int per = ROWS / groups; /* positions per block */
+    const int blocks = (n + per - 1) / per;
     for (int h = 0; h < kv_heads; h++) {
         for (int t = 0; t < n; t++) /* K^T of this head: keys contiguous */
             for (int d = 0; d < head_dim; d++) kt[(long)d * n16 + t] = k[t * k_row + h * k_head + d];
         for (int d = 0; d < head_dim; d++)
             for (int t = n; t < n16; t++) kt[(long)d * n16 + t] = 0.0f;
         const float *vh = v + (long)h * v_head;
-        for (int p0 = 0; p0 < n; p0 += per) {
-            int qh[ROWS] = {0}, pos[ROWS] = {0}, rows = 0;
-            for (int p = p0; p < p0 + per && p < n; p++)
-                for (int g = 0; g < groups; g++) {
-                    qh[rows] = h * groups + g;
-                    pos[rows] = p;
-                    rows++;
-                }
-            for (int r = rows; r < ROWS; r++) { qh[r] = qh[0]; pos[r] = pos[0]; } /* padding rows: not stored */
-            const int keys = (p0 + per < n ? p0 + per : n);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(parts) schedule(static, 1) if (parts > 1)
+#endif
+        for (int part = 0; part < parts; part++) {
+            float *s = scratch + (long)head_dim * n16 + (long)part * ROWS * n16;
+            for (int b = part; b < blocks; b += parts) {
+                const int p0 = b * per;
+                int qh[ROWS] = {0}, pos[ROWS] = {0}, rows = 0;
+                for (int p = p0; p < p0 + per && p < n; p++)
+                    for (int g = 0; g < groups; g++) {
+                        qh[rows] = h * groups + g;
+                        pos[rows] = p;
+                        rows++;
+                    }
+                for (int r = rows; r < ROWS; r++) { qh[r] = qh[0]; pos[r] = pos[0]; } /* padding rows: not stored */
+                const int keys = (p0 + per < n ? p0 + per : n);
 #define BLOCK(D) block(q, q_row, q_head, kt, n16, vh, v_row, out, o_row, o_head, qh, pos, rows, keys, scale, s, D)
-            switch (head_dim) { /* common sizes get constant loop bounds */
-                case 32: BLOCK(32); break;
-                case 64: BLOCK(64); break;
-                case 128: BLOCK(128); break;
-                default: BLOCK(head_dim);
+                switch (head_dim) { /* common sizes get constant loop bounds */
+                    case 32: BLOCK(32); break;
+                    case 64: BLOCK(64); break;
+                    case 128: BLOCK(128); break;
+                    default: BLOCK(head_dim);
+                }
             }
         }
     }

@@ -10,8 +10,9 @@ attend each request to its own context:
   from their blocks, the query heads that share a K/V head laid out as rows of one query (25-35% faster
   than `enable_gqa` on CPU, and exact: with one query token no row masks another);
 - prefill chunks one call each: plain causal over the chunk's own K/V when the request has no earlier
-  context (the common case; CPU float32: pdlab's C kernel, else SDPA), else SDPA over K/V gathered from its
-  blocks with an offset causal mask.
+  context (the common case; CPU float32: pdlab's C kernel, else SDPA), else, after earlier context, on CPU two
+  unmasked SDPA calls merged by their log-sum-exps (`prefill_after`: over the earlier tokens gathered from the
+  blocks, and over the chunk itself, causally), on CUDA one SDPA call with an offset causal mask.
 GQA uses SDPA's `enable_gqa`, so K/V heads are never repeated (CPU). On CUDA the runner picks a fused kernel
 instead (pdlab.engine.cuda_attention): flash-attn's varlen call (`ctx.flash`), or SDPA with K/V heads expanded
 (`ctx.expand_kv`), since a masked `enable_gqa` call there falls back to the math kernel.
@@ -113,6 +114,13 @@ def paged_attention(
         if seg.blocks is None:
             out[rows] = prefill_sdpa(q[rows], k[rows], v[rows], scaling, expand)
             continue
+        if q.device.type == "cpu" and not expand:  # earlier context, then the chunk: two unmasked calls, merged
+            prior = seg.ctx_len - (seg.q_end - seg.q_start)
+            earlier = seg.blocks[: -(-prior // k_blocks.shape[1])]
+            ke = k_rows.index_select(0, earlier).view(-1, kv_heads, head_dim)[:prior]
+            ve = v_rows.index_select(0, earlier).view(-1, kv_heads, head_dim)[:prior]
+            out[rows] = prefill_after(q[rows], k[rows], v[rows], ke, ve, scaling)
+            continue
         qs = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
         ks = k_rows.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
         vs = v_rows.index_select(0, seg.blocks).view(-1, kv_heads, head_dim)[: seg.ctx_len]
@@ -149,6 +157,37 @@ def prefill_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: Opt
     prefill kernel replaces (pdlab.engine.kernel_check times the two against each other)."""
     qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
     return _sdpa(qs, ks, vs, expand, is_causal=True, scale=scaling)[0].transpose(0, 1)
+
+
+def prefill_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_earlier: torch.Tensor,
+                  v_earlier: torch.Tensor, scaling: Optional[float]) -> torch.Tensor:
+    """A chunk after earlier context (CPU): q, k, v [n, H or Hkv, D] the chunk's own, k_earlier / v_earlier
+    [P, Hkv, D] the P tokens before it -> [n, H, D].
+
+    The same softmax over all P + n keys as one SDPA call with the offset causal mask, computed as two calls
+    without a mask, merged by their log-sum-exps: every query over the earlier tokens (all visible), and the
+    chunk over itself, causally. Why: with a mask torch's CPU flash kernel reads the whole mask and computes
+    every block of it, masked or not; without one it skips the blocks above the diagonal. The result differs
+    from the masked call's by float rounding."""
+    qs, ks, vs, ke, ve = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v, k_earlier, v_earlier))
+    try:  # GQA as it is (torch 2.13's CPU flash kernel reads K/V head h // group for query head h)
+        o_earlier, lse_earlier = _flash(qs, ke, ve, False, scaling)
+        o_own, lse_own = _flash(qs, ks, vs, True, scaling)
+    except RuntimeError:  # a torch whose kernel wants as many K/V heads as query heads
+        (ke, ve), (ks, vs) = expand_kv(ke, ve, qs.shape[1], 1), expand_kv(ks, vs, qs.shape[1], 1)
+        o_earlier, lse_earlier = _flash(qs, ke, ve, False, scaling)
+        o_own, lse_own = _flash(qs, ks, vs, True, scaling)
+    lse = torch.logaddexp(lse_earlier, lse_own)
+    out = (o_earlier.float() * (lse_earlier - lse).exp_().unsqueeze(-1)
+           + o_own.float() * (lse_own - lse).exp_().unsqueeze(-1))
+    return out.to(q.dtype)[0].transpose(0, 1)
+
+
+def _flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+           scaling: Optional[float]) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash attention: [1, H, n, D] out and [1, H, n] log-sum-exp of each query's scores."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scaling)[:2]
+    return out, lse
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, expand: bool, **kw: Any) -> torch.Tensor:

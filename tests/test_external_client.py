@@ -61,7 +61,9 @@ def test_one_loop_drives_512_concurrent_streams(tmp_path):
 
 
 def test_tokens_of_one_chunk_share_its_time(tmp_path):
-    server = FakeServer(tmp_path, "--chunk", "3")
+    """Each chunk's tokens carry one time, chunk after chunk in order. Two chunks may still share a time: a
+    busy box can deliver both in one read (seen in CI with 2 ms between them), and a read is stamped once."""
+    server = FakeServer(tmp_path, "--chunk", "3", "--token-s", "0.05")
     try:
         with cluster_for(server) as c:
             c.start()
@@ -72,7 +74,7 @@ def test_tokens_of_one_chunk_share_its_time(tmp_path):
         server.stop()
     times = [e.t for e in tokens["a"]]
     assert done["a"].client["chunks"] == [3, 3, 1]
-    assert len(set(times[:3])) == 1 and len(set(times[3:6])) == 1 and times[0] < times[3] < times[6]
+    assert len(set(times[:3])) == 1 and len(set(times[3:6])) == 1 and times[0] <= times[3] <= times[6]
 
 
 def test_a_loop_that_cannot_be_made_fails_start_instead_of_hanging_it(monkeypatch):

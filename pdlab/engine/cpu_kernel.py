@@ -35,8 +35,8 @@ from typing import Any, Optional
 import torch
 
 from pdlab.constants import CPU_KERNEL_ENV, CPU_KERNEL_MODES, CPU_KERNELS, KERNEL_MARCH_ENV, cdiv
-from pdlab.engine.blocks import padded_tables
 from pdlab.engine import cpu_threads
+from pdlab.engine.blocks import padded_tables
 from pdlab.engine.kernel_build import BuildError, open_kernel, process_march
 
 MAX_GROUP, MAX_DIM = 32, 256  # the decode kernel's limits (query heads per K/V head, head_dim), as in the source

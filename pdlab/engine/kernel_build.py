@@ -11,12 +11,11 @@ next build (under the lock nobody else is compiling). The compiler's identity (`
 per process, and not at all on a cache hit of the same process.
 
 The kernels that split a call over threads (THREADED: the GEMM by panels, decode attention by requests, prefill
-attention by blocks of positions) build
-with `-fopenmp` where the compiler can, and without it where it cannot (their parts then run one after another,
-with the same bits). Their OpenMP runtime is torch's: the build links `libgomp.so.1`, and a process that
-imported torch already holds torch's copy under that name, so the loader hands over that one and our parallel
-regions run on torch's own intra-op threads; nothing spins against them (pdlab.engine.cpu_threads checks that the
-process holds one OpenMP runtime, not two, before it splits anything).
+attention by blocks of positions) build with `-fopenmp` where the compiler can, and without it where it cannot
+(their parts then run one after another, with the same bits). Their OpenMP runtime is torch's: the build links
+`libgomp.so.1`, and a process that imported torch already holds torch's copy under that name, so the loader
+hands over that one and the parallel regions run on torch's own intra-op threads, with nothing spinning against
+them (pdlab.engine.cpu_threads checks that the process holds one OpenMP runtime, not two, before it splits).
 
 Every kernel builds as C11 (`-std=c11`) with warnings on; the tests build with `-Werror` and for more than
 one target (`-march=native`, and `x86-64-v3`, the AVX2 path, where this CPU can run it). The engine's build is

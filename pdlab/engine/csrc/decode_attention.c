@@ -197,8 +197,7 @@ int pdlab_decode_attention(const float *q, long q_row_stride, long q_head_stride
                            long o_row_stride, long o_head_stride, float *scratch, long part_scratch, int parts) {
     const int groups = heads / kv_heads;
     if (groups > MAX_GROUP || head_dim > MAX_DIM || groups * kv_heads != heads) return -1;
-    if (parts < 1) parts = 1;
-    if (parts > MAX_PARTS) return -1;
+    parts = parts < 1 ? 1 : parts > MAX_PARTS ? MAX_PARTS : parts;
     int cut[MAX_PARTS + 1]; /* part i: requests cut[i]..cut[i+1]-1, each in the part its context starts in */
     long total = 0, before = 0;
     for (int b = 0; b < batch; b++) total += lens[b];

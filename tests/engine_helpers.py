@@ -6,7 +6,7 @@ import functools
 
 import torch
 
-from pdlab.engine import Engine, EngineConfig, SamplingParams, load_model
+from pdlab.engine import Engine, EngineConfig, SamplingParams, cpu_threads, load_model
 from pdlab.engine.model import preset_config
 
 
@@ -57,3 +57,24 @@ def run(engine: Engine, reqs: list[list[int]], max_tokens: int = 16, **params) -
 
 def engine(preset: str = "tiny-llama", role: str = "unified", **cfg) -> Engine:
     return Engine(model(preset), EngineConfig(**cfg), role=role)
+
+
+def assert_split_keeps_bits(monkeypatch, compute, counts: tuple[int, ...]) -> torch.Tensor:
+    """compute() (a threaded CPU kernel's call, pdlab.engine.cpu_threads) gives the same bits in one part, in
+    each of `counts` parts, and under the engine's own split with three torch threads and any work split;
+    returns the one-part result."""
+    monkeypatch.setattr(cpu_threads, "parts", lambda flops, most: 1)
+    one = compute()
+    assert not torch.isnan(one).any()
+    for n in counts:
+        monkeypatch.setattr(cpu_threads, "parts", lambda flops, most, n=n: n)
+        assert torch.equal(compute(), one), n
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_threads, "SPLIT_FLOPS", 1.0)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert torch.equal(compute(), one)
+    finally:
+        torch.set_num_threads(before)
+    return one

@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine_helpers import engine, hf_greedy, prompts, reference, run
+from engine_helpers import assert_split_keeps_bits, engine, hf_greedy, prompts, reference, run
 from pdlab.constants import CPU_KERNEL_ENV
-from pdlab.engine import cpu_kernel, cpu_threads, kernel_build
+from pdlab.engine import cpu_kernel, kernel_build
 from pdlab.engine.cpu_kernel import DecodeBatch
 from pdlab.engine.kernel_check import Shape, applies
 
@@ -179,20 +179,7 @@ def test_decode_attention_split_over_threads_has_the_bits_of_one(monkeypatch):
         k.decode_attention(q, kv[0], kv[1], batch, head_dim ** -0.5, out)
         return out
 
-    monkeypatch.setattr(cpu_threads, "parts", lambda flops, most: 1)
-    one = attend()
-    assert not torch.isnan(one).any()
-    for n in (2, 3, 7):
-        monkeypatch.setattr(cpu_threads, "parts", lambda flops, most, n=n: n)
-        assert torch.equal(attend(), one), n
-    monkeypatch.undo()
-    monkeypatch.setattr(cpu_threads, "SPLIT_FLOPS", 1.0)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
-        assert torch.equal(attend(), one)
-    finally:
-        torch.set_num_threads(before)
+    assert_split_keeps_bits(monkeypatch, attend, (2, 3, 7))
 
 
 def test_limits_are_refused_not_overrun():
@@ -387,20 +374,7 @@ def test_prefill_split_over_threads_has_the_bits_of_one(heads, kv_heads, head_di
         kernels.prefill_attention(q, k, v, head_dim ** -0.5, out)
         return out
 
-    monkeypatch.setattr(cpu_threads, "parts", lambda flops, most: 1)
-    one = attend()
-    assert not torch.isnan(one).any()
-    for parts in (2, 3, 5):
-        monkeypatch.setattr(cpu_threads, "parts", lambda flops, most, parts=parts: parts)
-        assert torch.equal(attend(), one), parts
-    monkeypatch.undo()
-    monkeypatch.setattr(cpu_threads, "SPLIT_FLOPS", 1.0)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(3)
-        assert torch.equal(attend(), one)
-    finally:
-        torch.set_num_threads(before)
+    assert_split_keeps_bits(monkeypatch, attend, (2, 3, 5))
 
 
 def test_prefill_limits():

@@ -174,6 +174,8 @@ def prefill_after(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_earlier: 
         o_earlier, lse_earlier = _flash(qs, ke, ve, False, scaling)
         o_own, lse_own = _flash(qs, ks, vs, True, scaling)
     except RuntimeError:  # a torch whose kernel wants as many K/V heads as query heads
+        if ks.shape[1] == qs.shape[1]:
+            raise  # not GQA: a real error
         (ke, ve), (ks, vs) = expand_kv(ke, ve, qs.shape[1], 1), expand_kv(ks, vs, qs.shape[1], 1)
         o_earlier, lse_earlier = _flash(qs, ke, ve, False, scaling)
         o_own, lse_own = _flash(qs, ks, vs, True, scaling)

@@ -29,7 +29,7 @@ def openmp_runtimes(maps: str = "/proc/self/maps") -> set[str]:
     found = set()
     with open(maps) as f:
         for line in f:
-            path = line.split(maxsplit=5)[-1].strip() if line.count(" ") >= 5 else ""
+            path = line.split(maxsplit=5)[-1].strip()  # the file's path where a line has one
             if path.startswith("/") and os.path.basename(path).startswith(RUNTIMES):
                 found.add(os.path.realpath(path))
     return found

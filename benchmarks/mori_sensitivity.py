@@ -28,10 +28,7 @@ def scaled(raw: dict, name: str, scale: float) -> dict:
     """The variant's model section with its profile's step terms times `scale` (inline, renamed)."""
     from pdlab.recipe import load_profile
 
-    prof = load_profile(name).to_raw()
-    prof["step"] = {k: v * scale for k, v in prof["step"].items()}
-    prof["name"] = f"{name}x{scale:g}"
-    return dict(raw, timing=prof)
+    return dict(raw, timing=load_profile(name).scaled(scale).to_raw())
 
 
 def main() -> int:

@@ -16,7 +16,10 @@ Per variant and rate: TTFT p50 and p90, the p90 over requests of each request's 
 variant the saturation output throughput; per recipe whether the deployments rank the same (by saturation
 throughput, and by mean attainment over the finite rates). The targets (issue 25) are printed beside: TTFT
 p50 within 20%, TTFT p90 and ITL p90 within 25%, attainment within 0.15, saturation within 15%, the same
-ranking. DIR/validation.json keeps every figure; the runs stay in DIR for pdlab compare.
+ranking. Each real run is then replayed at its own pace (pdlab.timing.replay: the profile's step terms times
+the run's measured / predicted step time, per variant), and the same figures are counted again: the forecast's
+miss is the box's drift between the profile and the run plus the simulator's own error; the replay's is the
+latter alone. DIR/validation.json keeps every figure; the runs stay in DIR for pdlab compare.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ import subprocess
 import sys
 import time
 
-import numpy as np
 import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TARGETS = {"ttft_p50": 0.20, "ttft_p90": 0.25, "itl_p90": 0.25, "attainment": 0.15, "saturation": 0.15}
+sys.path.insert(0, ROOT)
+from pdlab.timing.replay import TARGETS, compare, figures as replay_figures, table, within  # noqa: E402
+
 RATE_FRACTIONS = (0.5, 0.9, 1.3)  # of the simulated saturation rate; saturation itself (inf) is run too
 SLO_X = {"ttft": 4.0, "itl": 10.0}  # of the simulated one-request TTFT and ITL
 UNIFIED = {"unified": {"replicas": 2, "devices": ["cpu:0", "cpu:1"]}}
@@ -100,81 +104,45 @@ def run(cmd: list[str], log: str) -> str:
 
 def figures(run_dir: str) -> dict:
     """variant -> rate tag -> {ttft_p50, ttft_p90, itl_p90, attainment, output_tok_s} from the run's records."""
-    reqs = [json.loads(x) for x in open(os.path.join(run_dir, "requests.jsonl"))]
-    summary = json.load(open(os.path.join(run_dir, "summary.json")))
-    out: dict = {}
-    for v, vs in summary["variants"].items():
-        for tag, rs in vs["rates"].items():
-            mine = [r for r in reqs if r["variant"] == v and _tag(r["rate"]) == tag and not r.get("warmup") and r["ok"]]
-            ttft = [r["ttft"] * 1000 for r in mine]
-            p99 = [float(np.percentile(r["itl"], 99)) * 1000 for r in mine if r["itl"]]
-            out.setdefault(v, {})[tag] = {
-                "ttft_p50": _pct(ttft, 50), "ttft_p90": _pct(ttft, 90), "itl_p90": _pct(p99, 90),
-                "attainment": rs["attainment"], "output_tok_s": rs["output_tok_s"]}
-    return out
+    from pdlab.measure.records import load_run
+
+    r = load_run(run_dir)
+    return replay_figures(r.requests, r.summary)
 
 
-def _tag(rate: object) -> str:
-    r = float(rate)
-    return "inf" if math.isinf(r) else f"{r:g}"
-
-
-def _pct(xs: list[float], q: float) -> float | None:
-    return float(np.percentile(xs, q)) if xs else None
-
-
-def rel(sim: float | None, real: float | None) -> float | None:
-    return None if sim is None or real in (None, 0) else (sim - real) / real
-
-
-def compare(real: dict, sim: dict) -> dict:
-    rows, ranks = [], {}
-    for v in real:
-        for tag in real[v]:
-            a, b = real[v][tag], sim.get(v, {}).get(tag, {})
-            row = {"variant": v, "rate": tag}
-            for k in ("ttft_p50", "ttft_p90", "itl_p90"):
-                e = rel(b.get(k), a[k])
-                row[k] = {"real": a[k], "sim": b.get(k), "error": e, "ok": e is not None and abs(e) <= TARGETS[k]}
-            d = None if a["attainment"] is None or b.get("attainment") is None else b["attainment"] - a["attainment"]
-            row["attainment"] = {"real": a["attainment"], "sim": b.get("attainment"), "error": d,
-                                 "ok": d is not None and abs(d) <= TARGETS["attainment"]}
-            if tag == "inf":
-                e = rel(b.get("output_tok_s"), a["output_tok_s"])
-                row["saturation"] = {"real": a["output_tok_s"], "sim": b.get("output_tok_s"), "error": e,
-                                     "ok": e is not None and abs(e) <= TARGETS["saturation"]}
-            rows.append(row)
-    for side, figs in (("real", real), ("sim", sim)):
-        by_sat = sorted(figs, key=lambda v: -(figs[v].get("inf", {}).get("output_tok_s") or 0))
-        by_att = sorted(figs, key=lambda v: -np.mean([x["attainment"] or 0 for t, x in figs[v].items() if t != "inf"]))
-        ranks[side] = {"saturation": by_sat, "attainment": by_att}
-    ranks["same"] = ranks["real"] == ranks["sim"]
-    return {"rows": rows, "ranking": ranks}
-
-
-def cell(x: dict, digits: int = 0, absolute: bool = False) -> str:
-    """'real / sim error' with a ! where the target is missed; the error relative (%) or absolute."""
-    if x["real"] is None:
-        return "-"
-    sim = "-" if x["sim"] is None else f"{x['sim']:.{digits}f}"
-    err = "" if x["error"] is None else f" {x['error']:+.2f}" if absolute else f" {x['error'] * 100:+.0f}%"
-    return f"{x['real']:.{digits}f} / {sim}{err}{'' if x['ok'] else ' !'}"
-
-
-def render(name: str, cmp: dict, check: str) -> None:
+def render(name: str, cmp: dict, check: str, paced: dict | None) -> None:
     print(f"\n{name}: real / simulated and the error (! beyond the target)")
-    print(f"  {'variant @ rate (req/s)':28} {'TTFT p50 ms':>20} {'TTFT p90 ms':>20} {'p99 ITL p90 ms':>20} "
-          f"{'attainment':>20}")
-    for r in cmp["rows"]:
-        print(f"  {r['variant'] + ' @ ' + r['rate']:28} {cell(r['ttft_p50']):>20} {cell(r['ttft_p90']):>20} "
-              f"{cell(r['itl_p90'], 1):>20} {cell(r['attainment'], 2, absolute=True):>20}")
-        if "saturation" in r:
-            print(f"  {'':28} saturation output tok/s {cell(r['saturation'])}")
-    rk = cmp["ranking"]
-    print(f"  ranking by saturation: real {rk['real']['saturation']}, sim {rk['sim']['saturation']}; by attainment: "
-          f"real {rk['real']['attainment']}, sim {rk['sim']['attainment']}: {'same' if rk['same'] else 'DIFFERENT'}")
+    for line in table(cmp):
+        print(f"  {line}")
     for line in check.splitlines():
         print(f"  {line}")
+    if paced:
+        pace = ", ".join(f"{v} x{p:.2f}" for v, p in paced["paces"].items())
+        print(f"  replayed at the run's own pace ({pace}; pdlab profile --check --replay):")
+        for line in table(paced["comparison"]):
+            print(f"    {line}")
+
+
+def tally(rows: list[dict], recipes: list[dict]) -> dict:
+    met = within(rows)
+    return {"met": {k: {"within": a, "of": b} for k, (a, b) in met.items()},
+            "ranking_same": {"recipes": sum(c["ranking"]["same"] for c in recipes), "of": len(recipes)}}
+
+
+def say_tally(what: str, t: dict) -> None:
+    print(f"{what}: " + ", ".join(f"{k} (±{TARGETS[k]:g}{'' if k == 'attainment' else ' rel'}) {m['within']}/{m['of']}"
+                                  for k, m in t["met"].items()) +
+          f"; same ranking {t['ranking_same']['recipes']}/{t['ranking_same']['of']}")
+
+
+def replayed(run_dir: str, profile: str) -> dict:
+    """The real run simulated at its own pace (pdlab.timing.replay): what is left of the miss once the box's
+    drift between the profile and the run is taken out."""
+    from pdlab.measure.records import load_run
+    from pdlab.recipe import load_profile
+    from pdlab.timing.replay import replay
+
+    return replay(load_run(run_dir), load_profile(profile, "--profile"))
 
 
 def main() -> int:
@@ -215,18 +183,19 @@ def main() -> int:
         check = run(py + ["profile", "--check", real, "--profile", profile],
                     os.path.join(args.out, f"{name}-check.log"))
         cmp = compare(figures(real), figures(sim))
-        results["recipes"][name] = {"recipe": raw, "comparison": cmp, "check": check}
-        render(name, cmp, check)
-    rows = [r for x in results["recipes"].values() for r in x["comparison"]["rows"]]
-    met = {k: (sum(r[k]["ok"] for r in rows if k in r), sum(k in r for r in rows)) for k in TARGETS}
-    same = sum(x["comparison"]["ranking"]["same"] for x in results["recipes"].values())
-    results["met"] = {k: {"within": a, "of": b} for k, (a, b) in met.items()}
-    results["ranking_same"] = {"recipes": same, "of": len(names)}
+        paced = replayed(real, profile)
+        results["recipes"][name] = {"recipe": raw, "comparison": cmp, "check": check, "replay": paced}
+        render(name, cmp, check, paced)
+    recs = results["recipes"].values()
+    results.update(tally([r for x in recs for r in x["comparison"]["rows"]], [x["comparison"] for x in recs]))
+    results["replay_met"] = tally([r for x in recs for r in x["replay"]["comparison"]["rows"]],
+                                  [x["replay"]["comparison"] for x in recs])
     results["took_s"] = time.monotonic() - t0
     with open(os.path.join(args.out, "validation.json"), "w") as f:
         json.dump(results, f, indent=2)
-    print("\nwithin target: " + ", ".join(f"{k} (±{TARGETS[k]:g}{'' if k == 'attainment' else ' rel'}) {a}/{b}"
-                                          for k, (a, b) in met.items()) + f"; same ranking {same}/{len(names)}")
+    print()
+    say_tally("within target, forecast (the profile as measured before the runs)", results)
+    say_tally("within target, replayed at each run's own pace", results["replay_met"])
     print(f"{time.monotonic() - t0:.0f} s; wrote {os.path.join(args.out, 'validation.json')}")
     return 0
 

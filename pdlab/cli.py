@@ -196,14 +196,19 @@ def profile(
                                                 "recipe names)"),
     write_host: bool = typer.Option(False, "--write-host",
                                     help="With --check and --profile FILE: write the run's host time into it"),
+    replay: bool = typer.Option(False, "--replay",
+                                help="With --check: also simulate the run with the profile at the run's own pace "
+                                     "(its steps' measured / predicted time) and set its TTFT, ITL, attainment "
+                                     "and saturation beside the run's"),
 ) -> None:
     """Measure this device's engine steps, KV transfers and host time as a worker runs them; fit and write a
     timing profile (model.timing). --check RUN_DIR: how well a profile predicts a run's steps."""
     from pdlab.commands.profile import check as check_run, main
 
     if check is not None:
-        raise typer.Exit(check_run(check, profile_, write_host))
-    raise typer.Exit(main(model, device, dtype, out, steps, seed, threads, cores=cores, host=not no_host))
+        raise typer.Exit(check_run(check, profile_, write_host, replay))
+    raise typer.Exit(main(model, device, dtype, out, steps, seed, threads, cores=cores, host=not no_host,
+                          replay=replay))
 
 
 @app.command(cls=_Command)

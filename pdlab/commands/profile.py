@@ -44,11 +44,13 @@ def default_cores(threads: int) -> list[int]:
 
 def main(model: str = "cpu-demo", device: str = "cpu", dtype: Optional[str] = None, out: Optional[str] = None,
          steps: int = DEFAULT_STEPS, seed: int = 0, threads: Optional[int] = None, quiet: bool = False,
-         cores: Optional[str] = None, host: bool = True) -> int:
+         cores: Optional[str] = None, host: bool = True, replay: bool = False) -> int:
     def say(msg: str = "") -> None:
         if not quiet:
             print(msg, flush=True)
 
+    if replay:
+        return _err("--replay goes with --check RUN_DIR: the run to replay")
     if steps < MIN_STEPS:
         return _err(f"--steps must be at least {MIN_STEPS} (9 terms to fit and steps held out), got {steps}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
@@ -141,8 +143,8 @@ def _header(model: str, device: str, dtype: str, steps: int, seed: int, res: dic
             "transfer: latency + bytes / bandwidth fitted to pdlab.kv.probe hand-overs (best of 10).")
 
 
-def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False) -> int:
-    """`pdlab profile --check RUN_DIR [--profile P] [--write-host]`."""
+def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False, replay: bool = False) -> int:
+    """`pdlab profile --check RUN_DIR [--profile P] [--write-host] [--replay]`."""
     from pdlab.measure.records import RunDirError, load_run
     from pdlab.recipe import RecipeError, load_profile, parse_recipe
     from pdlab.timing.check import CheckError, check_run, lines
@@ -172,8 +174,35 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False)
         print(f"  {line}")
     for w in warnings:
         print(f"warning: {w}")
+    if replay:
+        code = _replay(run, given)
+        if code:
+            return code
     if write_host:
         return _write_host(checks, given, profile)
+    return 0
+
+
+def _replay(run: object, given: object) -> int:
+    """The run simulated at its own pace, beside the run (pdlab.timing.replay)."""
+    from pdlab.recipe import RecipeError
+    from pdlab.timing.replay import TARGETS, ReplayError, replay, table, within
+
+    try:
+        res = replay(run, given)
+    except (ReplayError, RecipeError) as e:
+        return _err(f"--replay: {e}")
+    paces = "; ".join(f"{v}: " + ", ".join(f"{w} x{p.factor:.2f}" for w, p in ws.items())
+                      for v, ws in res["paces"].items())
+    print(f"replay (simulated, not measured): the run's recipe, rates and SLO in the simulator, each worker at its "
+          f"pace in the run ({paces}: its step time over the profile's prediction, rate by rate; its gaps between "
+          "steps drawn as they were); real / simulated and the error, ! beyond the target")
+    cmp = res["comparison"]
+    for line in table(cmp):
+        print(f"  {line}")
+    met = within(cmp["rows"])
+    print("  within target: " + ", ".join(f"{k} (±{TARGETS[k]:g}{'' if k == 'attainment' else ' rel'}) {a}/{b}"
+                                          for k, (a, b) in met.items() if b))
     return 0
 
 

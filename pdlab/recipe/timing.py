@@ -165,6 +165,12 @@ class TimingProfile(Section):
         return self.step.step_s(prefill_tokens, decode_seqs, context_tokens, prefill_pairs, chunks, fresh_pairs,
                                 resumed_pairs, resumed_context)
 
+    def scaled(self, factor: float) -> "TimingProfile":
+        """This profile with every step term times `factor` (knee_tokens, a count, kept; host and transfers
+        kept), renamed '<name> x<factor>': what-ifs of slower or faster steps."""
+        terms = {k: getattr(self.step, k) * factor for k in self.step.keys() if k != "knee_tokens"}
+        return self.replace(step=self.step.replace(**terms), name=f"{self.name} x{factor:.3g}")
+
     def transfer_of(self, transport: str) -> Optional[TransferTiming]:
         return dict(self.transfer).get(transport)
 

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from pdlab.measure.search import RateSearch
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.recipe.recipe import relative_rate
+from pdlab.sim.pace import WorkerPace
 from pdlab.sim.simulator import Simulator
 from pdlab.timing.check import modelled_warnings
 from pdlab.workload import Workload, build_requests, trace_facts
@@ -62,8 +63,10 @@ def unified_one(v: Variant) -> Variant:
                                                      "calibration"))
 
 
-def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: Any = None) -> SimResult:
-    """Every variant of `recipe` (all modelled) through the simulator, as `pdlab run` would run it."""
+def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: Any = None,
+                    paces: Optional[dict[str, dict[str, WorkerPace]]] = None) -> SimResult:
+    """Every variant of `recipe` (all modelled) through the simulator, as `pdlab run` would run it. `paces`:
+    variant -> worker -> its pace (pdlab.sim.pace; a run replayed at its own pace)."""
     out = SimResult()
     first = recipe.resolved(recipe.variant_names[0])
     alone = _alone(unified_one(first), recipe.slo, workloads[first.name])
@@ -76,7 +79,7 @@ def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: An
     for name, v in recipe.variants.items():
         wl = workloads[name]
         by_variant[name] = _alone(v, slo, wl)
-        sim = Simulator(v, slo)
+        sim = Simulator(v, slo, (paces or {}).get(name))
         for repeat, seed in enumerate(v.seeds()):
             if not v.auto:
                 for rate in v.rates:

@@ -24,6 +24,9 @@ transfer starts then, and not before the decode worker's current step is over, s
 messages between steps; push: the decode worker admits the request that long after the KV landed). So
 simulated TTFT and ITL carry the time a run's do around its steps. Tokens are stamped at step ends.
 
+A worker's pace (pdlab.sim.pace.WorkerPace, given per worker: a run replayed at its own pace) scales its
+steps by its factor at the rate being simulated, and draws its gaps from the quantiles it carries.
+
 Simulated hand-overs never fail (no lease runs out, no copy breaks), so `on_transfer_failure` never applies
 here: no request takes the `recompute` route.
 
@@ -43,6 +46,7 @@ from pdlab.kv.copy import copy_blocks
 from pdlab.measure.metrics import build_request_record
 from pdlab.recipe import SLO, Variant
 from pdlab.serve.placement import WorkerView, choose_decode, least_loaded, mirrors_caches, place_arrival
+from pdlab.sim.pace import PacedTiming, WorkerPace
 from pdlab.workload import WorkloadRequest
 
 
@@ -66,6 +70,7 @@ class _Worker:
     role: str
     engine: Engine
     clock: VirtualClock
+    paced: Optional[PacedTiming] = None  # its pace, where given
     free_at: float = 0.0
     holds: set = field(default_factory=set)
 
@@ -88,9 +93,10 @@ class _Req:
 
 
 class Simulator:
-    """One variant's deployment, simulated. `run(reqs, rate, repeat)` returns (requests, steps, transfers)."""
+    """One variant's deployment, simulated. `run(reqs, rate, repeat)` returns (requests, steps, transfers).
+    `paces`: worker name -> its pace (pdlab.sim.pace); a worker without one takes the profile as it is."""
 
-    def __init__(self, variant: Variant, slo: SLO):
+    def __init__(self, variant: Variant, slo: SLO, paces: Optional[dict[str, WorkerPace]] = None):
         if not variant.model.modelled:
             raise ValueError(f"variant {variant.name}: the simulator needs a modelled timing (model.timing)")
         self.v, self.slo, self.timing = variant, slo, variant.model.timing
@@ -104,10 +110,15 @@ class Simulator:
         self.gap_s, self.hop_s, self.handoff_s = host.gap_ms / 1e3, host.hop_ms / 1e3, host.handoff_ms / 1e3
         stand_in = load_stand_in(variant.model)
         self.workers: dict[str, _Worker] = {}
+        unknown = set(paces or {}) - {w.name for w in dep.workers}
+        if unknown:
+            raise ValueError(f"variant {variant.name}: paces for workers it does not have: {', '.join(sorted(unknown))}")
         for w in dep.workers:
             clock = VirtualClock()
-            eng = Engine(stand_in, variant.engine, role=w.role, step_timing=self.timing, clock=clock)
-            self.workers[w.name] = _Worker(w.name, w.role, eng, clock)
+            pace = (paces or {}).get(w.name)
+            paced = PacedTiming(self.timing, pace, w.name) if pace is not None else None
+            eng = Engine(stand_in, variant.engine, role=w.role, step_timing=paced or self.timing, clock=clock)
+            self.workers[w.name] = _Worker(w.name, w.role, eng, clock, paced)
         self.layers = next(iter(self.workers.values())).engine.dims["layers"]
 
     def _of(self, role: str) -> list[_Worker]:
@@ -135,6 +146,9 @@ class Simulator:
 
     def run(self, reqs: list[WorkloadRequest], rate: float, repeat: int = 0,
             warmup: bool = False) -> tuple[list[dict], list[dict], list[dict]]:
+        for w in self.workers.values():
+            if w.paced is not None:
+                w.paced.start(rate, repeat)
         for w in self.workers.values():
             w.engine.reset_prefix_cache()
             t = max(w.free_at, w.clock.t)
@@ -282,7 +296,8 @@ class Simulator:
         if out.record is None and not out.tokens:
             return False
         end = w.clock.t
-        w.free_at = end + self.gap_s  # the worker's own time before its next step
+        # the worker's own time before its next step
+        w.free_at = end + (w.paced.gap_s(self.gap_s) if w.paced is not None else self.gap_s)
         if out.record is not None:
             self._steps.append({**self._tag, "worker": w.name, "role": w.role, **out.record.__dict__})
         for t in out.tokens:

@@ -42,8 +42,9 @@ def samples(steps: list[dict]) -> list[StepSample]:
 
 
 def check_steps(profile: Any, steps: list[dict]) -> dict:
-    """{steps, overall, kinds: {kind: {steps, mape_pct, p90_pct, max_pct, r2, ratio}}}: the profile's step
-    model against `steps` (ratio: the median of measured / predicted)."""
+    """{steps, overall, kinds: {kind: {steps, mape_pct, p90_pct, max_pct, r2, ratio, pace}}}: the profile's step
+    model against `steps` (ratio: the median of measured / predicted; pace: the steps' measured time over
+    their predicted time, summed: the factor pdlab.timing.replay scales the profile by)."""
     ss = samples(steps)
     coef = profile.step.to_raw()
     out: dict = {"steps": len(ss), "overall": _errors(coef, ss), "kinds": {}}
@@ -57,6 +58,7 @@ def _errors(coef: dict, ss: list[StepSample]) -> dict:
     if ss:
         p = predict(coef, ss)
         e["ratio"] = float(statistics.median(s.ms / max(x, 1e-9) for s, x in zip(ss, p)))
+        e["pace"] = float(sum(s.ms for s in ss) / max(float(sum(p)), 1e-9))
     return e
 
 

@@ -1,0 +1,204 @@
+"""A run replayed in the simulator at the run's own pace: `pdlab profile --check RUN_DIR --replay`.
+
+Why: on a shared box the same step takes longer minutes later (decode steps of one shape drifted x1.16 within
+eight quiet minutes on the developers' 2-core VM, and runs took x1.07-1.7 their profile's steps; BENCHMARKS.md,
+issue 25). A simulation from a profile measured before a run then misses by the box's drift, and that miss
+says nothing of what the simulator adds to the step model: the scheduler and queueing, host time, hand-overs.
+The replay takes the drift out worker by worker: each worker's pace (pdlab.sim.pace.WorkerPace) is read from
+its own steps in the run: its busy time over what the profile predicts for the same steps, how its steps
+spread around that, and the gaps between them. Each variant is then simulated with those paces (the profile's
+hop, hand-over and transfer times as they are), at the rates and SLO the run resolved, with the run's seeds,
+and its figures are set beside the run's: TTFT p50 and p90, the p90 over requests of each request's p99 ITL,
+attainment, and output throughput at saturation.
+
+The paces are read from the run, so a replay is not a prediction of the run: it holds everything but the
+box's speed and noise to account (scheduling, queueing, placement, hand-overs). A forecast (a profile, then
+`pdlab run --simulate`) carries both errors.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from pdlab.recipe.timing import TimingProfile
+from pdlab.sim.pace import WorkerPace, quantiles
+from pdlab.timing.check import samples
+from pdlab.timing.fit import predict
+from pdlab.timing.host import gaps
+from pdlab.workload import rate_tag
+
+# issue 25's targets for a simulation against its run: relative for the latencies and the saturation
+# throughput, absolute for attainment
+TARGETS = {"ttft_p50": 0.20, "ttft_p90": 0.25, "itl_p90": 0.25, "attainment": 0.15, "saturation": 0.15}
+LATENCIES = ("ttft_p50", "ttft_p90", "itl_p90")
+
+
+class ReplayError(ValueError):
+    """A run that cannot be replayed (one line)."""
+
+
+def worker_paces(profile: TimingProfile, steps: list[dict]) -> dict[str, WorkerPace]:
+    """worker -> its pace in `steps` (one variant's step records) against `profile`: its steps' measured time
+    over their predicted time (in all, and per rate and repeat), and the quantiles of its gaps between
+    back-to-back steps."""
+    coef = profile.step.to_raw()
+
+    def factor(mine: list[dict]) -> Optional[float]:
+        ss = samples(mine)
+        return sum(s.ms for s in ss) / max(float(sum(predict(coef, ss))), 1e-9) if ss else None
+
+    out = {}
+    for w in sorted({s.get("worker") for s in steps if s.get("worker")}):
+        mine = [s for s in steps if s.get("worker") == w]
+        total = factor(mine)
+        if total is None:
+            continue
+        runs = sorted({(rate_tag(float(s["rate"])), int(s.get("repeat") or 0)) for s in mine})
+        by_run = tuple((t, r, f) for t, r in runs
+                       if (f := factor([s for s in mine if rate_tag(float(s["rate"])) == t
+                                        and int(s.get("repeat") or 0) == r])) is not None)
+        out[w] = WorkerPace(total, quantiles([g * 1000.0 for g in gaps(mine)]), by_run)
+    return out
+
+
+def figures(requests: list[dict], summary: dict) -> dict:
+    """variant -> rate tag -> {ttft_p50, ttft_p90, itl_p90 (ms), attainment, output_tok_s} of a run's measured
+    requests (warm-up left out; attainment and throughput as its summary has them)."""
+    out: dict = {}
+    for v, vs in summary.get("variants", {}).items():
+        for tag, rs in (vs.get("rates") or {}).items():
+            mine = [r for r in requests if r.get("variant") == v and rate_tag(float(r["rate"])) == tag
+                    and not r.get("warmup") and r.get("ok")]
+            ttft = [r["ttft"] * 1000 for r in mine]
+            p99 = [float(np.percentile(r["itl"], 99)) * 1000 for r in mine if r.get("itl")]
+            out.setdefault(v, {})[tag] = {"ttft_p50": _pct(ttft, 50), "ttft_p90": _pct(ttft, 90),
+                                          "itl_p90": _pct(p99, 90), "attainment": rs.get("attainment"),
+                                          "output_tok_s": rs.get("output_tok_s")}
+    return out
+
+
+def _pct(xs: list[float], q: float) -> Optional[float]:
+    return float(np.percentile(xs, q)) if xs else None
+
+
+def _rel(sim: Optional[float], real: Optional[float]) -> Optional[float]:
+    return None if sim is None or not real else (sim - real) / real
+
+
+def compare(real: dict, sim: dict) -> dict:
+    """{rows: per variant and rate {figure: {real, sim, error, ok}}, ranking: {real, sim, same}}: the error of
+    each figure against TARGETS (relative; attainment absolute; saturation only at the rate inf)."""
+    rows = []
+    for v in real:
+        for tag, a in real[v].items():
+            b = sim.get(v, {}).get(tag, {})
+            row: dict[str, Any] = {"variant": v, "rate": tag}
+            for k in LATENCIES:
+                e = _rel(b.get(k), a[k])
+                row[k] = {"real": a[k], "sim": b.get(k), "error": e, "ok": e is not None and abs(e) <= TARGETS[k]}
+            d = (None if a["attainment"] is None or b.get("attainment") is None
+                 else b["attainment"] - a["attainment"])
+            row["attainment"] = {"real": a["attainment"], "sim": b.get("attainment"), "error": d,
+                                 "ok": d is not None and abs(d) <= TARGETS["attainment"]}
+            if tag == "inf":
+                e = _rel(b.get("output_tok_s"), a["output_tok_s"])
+                row["saturation"] = {"real": a["output_tok_s"], "sim": b.get("output_tok_s"), "error": e,
+                                     "ok": e is not None and abs(e) <= TARGETS["saturation"]}
+            rows.append(row)
+    ranks: dict[str, Any] = {}
+    for side, figs in (("real", real), ("sim", sim)):
+        by_sat = sorted(figs, key=lambda v: -(figs[v].get("inf", {}).get("output_tok_s") or 0))
+        by_att = sorted(figs, key=lambda v: -float(np.mean([x["attainment"] or 0 for t, x in figs[v].items()
+                                                             if t != "inf"] or [0])))
+        ranks[side] = {"saturation": by_sat, "attainment": by_att}
+    ranks["same"] = ranks["real"] == ranks["sim"]
+    return {"rows": rows, "ranking": ranks}
+
+
+def within(rows: list[dict]) -> dict[str, tuple[int, int]]:
+    """figure -> (rows within its target, rows with the figure)."""
+    return {k: (sum(r[k]["ok"] for r in rows if k in r), sum(k in r for r in rows)) for k in TARGETS}
+
+
+def cell(x: dict, digits: int = 0, absolute: bool = False) -> str:
+    """'real / sim error' with a ! where the target is missed; the error relative (%) or absolute."""
+    if x["real"] is None:
+        return "-"
+    sim = "-" if x["sim"] is None else f"{x['sim']:.{digits}f}"
+    err = "" if x["error"] is None else f" {x['error']:+.2f}" if absolute else f" {x['error'] * 100:+.0f}%"
+    return f"{x['real']:.{digits}f} / {sim}{err}{'' if x['ok'] else ' !'}"
+
+
+def table(cmp: dict) -> list[str]:
+    """The comparison as lines of text: one per variant and rate, saturation beneath the rate inf."""
+    out = [f"{'variant @ rate (req/s)':28} {'TTFT p50 ms':>20} {'TTFT p90 ms':>20} {'p99 ITL p90 ms':>20} "
+           f"{'attainment':>20}"]
+    for r in cmp["rows"]:
+        out.append(f"{r['variant'] + ' @ ' + r['rate']:28} {cell(r['ttft_p50']):>20} {cell(r['ttft_p90']):>20} "
+                   f"{cell(r['itl_p90'], 1):>20} {cell(r['attainment'], 2, absolute=True):>20}")
+        if "saturation" in r:
+            out.append(f"{'':28} saturation output tok/s {cell(r['saturation'])}")
+    rk = cmp["ranking"]
+    out.append(f"ranking by saturation: real {rk['real']['saturation']}, simulated {rk['sim']['saturation']}; by "
+               f"attainment: real {rk['real']['attainment']}, simulated {rk['sim']['attainment']}: "
+               f"{'the same' if rk['same'] else 'DIFFERENT'}")
+    return out
+
+
+def replay_raw(raw: dict, summary: dict, requests: list[dict], variant: str, profile: TimingProfile) -> dict:
+    """The run's recipe (raw, as recipe.yaml has it) for one variant, simulated with `profile`: the rates
+    and SLO the run resolved (its requests' rates; summary.json's absolute SLO)."""
+    if raw.get("rates") == "auto" or any((v or {}).get("rates") == "auto" for v in (raw.get("variants") or {}).values()):
+        raise ReplayError("the run searched its rates (rates: auto): a replay sets grid rates side by side; run the "
+                          "recipe with a list of rates")
+    rates = sorted({float(r["rate"]) for r in requests if r.get("variant") == variant})
+    if not rates:
+        raise ReplayError(f"variant {variant}: no requests in the run")
+    slo = {k: v for k, v in (summary.get("slo") or {}).items() if v is not None}
+    model = {k: v for k, v in dict(raw.get("model") or {}).items() if k != "check_timing"}
+    model["timing"] = profile.to_raw()
+    one = dict((raw.get("variants") or {})[variant] or {})
+    if isinstance(one.get("model"), dict):
+        one["model"] = {k: v for k, v in one["model"].items() if k not in ("timing", "check_timing")}
+    return dict(raw, model=model, rates=[".inf" if math.isinf(r) else r for r in rates], slo=slo,
+                variants={variant: one}, simulate=True)
+
+
+def replay(run: Any, profile: Optional[TimingProfile] = None) -> dict:
+    """{paces: variant -> worker -> WorkerPace, profiles: variant -> profile name, comparison: compare's result}:
+    each variant of `run` (pdlab.measure.records.Run) that ran its model and has a profile to check (`profile`,
+    else the one its recipe names: pdlab.timing.check.profile_for), simulated at its workers' paces and set
+    beside the run. Raises ReplayError (and pdlab.timing.check.CheckError)."""
+    from pdlab.measure.summary import summarize_run
+    from pdlab.recipe import parse_recipe
+    from pdlab.sim.experiment import simulate_recipe
+    from pdlab.timing.check import check_run, profile_for
+    from pdlab.workload import build_workload
+
+    if not run.recipe or not run.summary:
+        raise ReplayError(f"{run.path}: no recipe.yaml or summary.json: nothing to replay")
+    if run.env.get("simulated"):
+        raise ReplayError(f"{run.path}: a simulated run: replay a real one")
+    recipe = parse_recipe(run.recipe)
+    variants = {n: recipe.resolved(n) for n in recipe.variant_names}
+    checks = check_run(variants, run.steps, run.requests, profile)
+    real, sim, paces, names = figures(run.requests, run.summary), {}, {}, {}
+    for name, c in checks.items():
+        if c["modelled"]:
+            continue
+        base = profile if profile is not None else profile_for(name, variants)[0]
+        mine = worker_paces(base, [s for s in run.steps if s.get("variant") == name])
+        if not mine:
+            continue
+        r = parse_recipe(replay_raw(run.recipe, run.summary, run.requests, name, base))
+        res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()}, paces={name: mine})
+        s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: r.rates for n in r.variants},
+                          **res.facts)
+        sim.update(figures(res.requests, s))
+        paces[name], names[name] = mine, base.name
+    if not paces:
+        raise ReplayError(f"{run.path}: no variant that ran its model has steps and a profile to replay them with")
+    return {"paces": paces, "profiles": names, "comparison": compare({v: real.get(v, {}) for v in paces}, sim)}

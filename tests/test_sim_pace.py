@@ -1,0 +1,79 @@
+"""A simulated worker's pace (pdlab.sim.pace): a worker's steps scaled by its factor at the rate being simulated,
+its gaps between steps drawn from quantiles, seeded per worker, rate and repeat; a worker without one takes the
+profile as it is."""
+
+import math
+
+import pytest
+
+from pdlab.recipe import parse_recipe
+from pdlab.sim.pace import PacedTiming, WorkerPace, draw, quantiles
+from pdlab.sim.simulator import Simulator
+from pdlab.workload import build_requests
+
+TIMING = {"fixed_ms": 2, "prefill_token_ms": 0.5, "decode_seq_ms": 1}
+
+
+def variant(deployment: dict, gap_ms: float = 0.0):
+    r = parse_recipe({"model": {"preset": "tiny-llama", "timing": {"name": "t", "step": TIMING,
+                                                                   "host": {"gap_ms": gap_ms}}},
+                      "engine": {"block_size": 8, "kv_blocks": 256, "max_running": 16},
+                      "workload": {"requests": 12, "input_len": {"kind": "uniform", "min": 10, "max": 60},
+                                   "output_len": {"kind": "fixed", "value": 6}},
+                      "rates": [5], "slo": {"ttft_ms": 1000, "itl_ms": 50},
+                      "variants": {"v": {"deployment": deployment}}})
+    return r.resolved("v")
+
+
+PD = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "pull"}
+
+
+def test_quantiles_and_draws_follow_the_values():
+    q = quantiles([4.0, 1.0, 3.0, 2.0, 5.0], n=5)
+    assert q == (1.0, 2.0, 3.0, 4.0, 5.0)
+    assert (draw(q, 0.0), draw(q, 0.5), draw(q, 1.0), draw(q, 0.125)) == (1.0, 3.0, 5.0, 1.5)
+    assert quantiles([]) == () and quantiles([7.0], n=3) == (7.0, 7.0, 7.0)
+
+
+def test_a_worker_steps_at_its_factor_for_the_rate_simulated():
+    p = PacedTiming(variant(PD).model.timing, WorkerPace(1.5, (), (("5", 0, 2.0),)), "decode0")
+    base = p.profile.step_s(10, 2, 100)
+    p.start(5.0, 0)
+    assert p.step_s(10, 2, 100) == pytest.approx(2.0 * base)
+    p.start(5.0, 1)  # another repeat: the worker's factor in all
+    assert p.step_s(10, 2, 100) == pytest.approx(1.5 * base)
+    p.start(math.inf, 0)
+    assert p.step_s(10, 2, 100) == pytest.approx(1.5 * base)
+    assert p.kv_memory_gb == p.profile.kv_memory_gb  # everything else is the profile's
+
+
+def test_the_simulator_steps_each_worker_at_its_pace():
+    v = variant(PD)
+    reqs = build_requests(v.workload, 5.0, seed=2, vocab_size=512)
+    plain = Simulator(v, v.slo).run(reqs, 5.0)
+    paced = Simulator(v, v.slo, {"decode0": WorkerPace(3.0)}).run(reqs, 5.0)
+
+    def ms(steps, worker):
+        return sorted(round((s["end"] - s["start"]) * 1e3, 6) for s in steps if s["worker"] == worker)
+
+    assert ms(paced[1], "prefill0") == ms(plain[1], "prefill0")  # no pace: the profile as it is
+    dec = [s for s in paced[1] if s["worker"] == "decode0"]
+    assert dec and all(s["end"] - s["start"] == pytest.approx(3.0 * (2 + s["decode_seqs"]) / 1e3) for s in dec)
+    assert paced[0][0]["output_ids"] == plain[0][0]["output_ids"]  # the same tokens, later
+    with pytest.raises(ValueError, match="does not have: decode7"):
+        Simulator(v, v.slo, {"decode7": WorkerPace(2.0)})
+
+
+def test_gaps_are_drawn_from_the_workers_quantiles_and_repeat_exactly():
+    v = variant({"unified": {"devices": ["cpu:0"]}}, gap_ms=0.25)
+    reqs = build_requests(v.workload, math.inf, seed=3, vocab_size=512)
+    pace = {"unified0": WorkerPace(1.0, quantiles([0.5, 1.0, 4.0, 9.0]))}
+
+    def gaps(steps):
+        steps = sorted(steps, key=lambda s: s["start"])
+        return [round((b["start"] - a["end"]) * 1e3, 9) for a, b in zip(steps, steps[1:])]
+
+    once = gaps(Simulator(v, v.slo, pace).run(reqs, math.inf)[1])
+    assert once == gaps(Simulator(v, v.slo, pace).run(reqs, math.inf)[1])  # seeded: the same draws
+    assert all(0.5 - 1e-6 <= g <= 9.0 + 1e-6 for g in once) and len(set(once)) > len(once) // 2
+    assert set(gaps(Simulator(v, v.slo).run(reqs, math.inf)[1])) == {0.25}  # the profile's gap without a pace

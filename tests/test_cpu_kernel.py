@@ -158,6 +158,38 @@ def test_a_threaded_kernel_without_openmp_is_built_without_it(monkeypatch):
 
 
 @needs_cc
+def test_a_build_the_compiler_refuses_is_not_compiled_again(tmp_path, monkeypatch):
+    """A compiler without OpenMP refuses the threaded kernels' OpenMP build: the refusal is cached beside the
+    build, so the next worker start loads the plain build without running the compiler at all; another
+    compiler (another --version) tries afresh."""
+    log = tmp_path / "cc.log"
+    cc = tmp_path / "cc"
+    real = shutil.which(os.environ.get("CC") or "cc")
+    cc.write_text(f"#!/bin/sh\necho \"$*\" >> {log}\ncase \"$*\" in *-fopenmp*) echo \"cc: error: unsupported "
+                  f"option '-fopenmp'\" >&2; exit 1;; esac\nexec {real} \"$@\"\n")
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("PDLAB_KERNEL_CACHE", str(tmp_path / "cache"))
+    kernel_build.compiler_id.cache_clear()
+
+    def compiles():
+        return [x for x in log.read_text().splitlines() if "--version" not in x] if log.exists() else []
+
+    lib, path = kernel_build.open_kernel("decode_attention")
+    assert lib.pdlab_decode_attention and path == kernel_build.build("decode_attention", openmp=False)
+    assert [("-fopenmp" in x) for x in compiles()] == [True, False]  # refused, then built without it
+    refused = [f for f in os.listdir(tmp_path / "cache") if f.endswith(kernel_build.FAILED)]
+    assert len(refused) == 1 and "unsupported option '-fopenmp'" in (tmp_path / "cache" / refused[0]).read_text()
+    assert kernel_build.open_kernel("decode_attention")[1] == path and len(compiles()) == 2  # nothing compiled
+    with pytest.raises(kernel_build.BuildError, match="unsupported option '-fopenmp' \\(cached: delete"):
+        kernel_build.build("decode_attention", openmp=True)
+    monkeypatch.setattr(kernel_build, "compiler_id", lambda cc: "another compiler 2.0")
+    with pytest.raises(kernel_build.BuildError):
+        kernel_build.build("decode_attention", openmp=True)
+    assert len(compiles()) == 3  # a new compiler is asked again
+
+
+@needs_cc
 def test_decode_attention_split_over_threads_has_the_bits_of_one(monkeypatch):
     """Split by requests into parts of about equal context (one per torch thread), each part with its own
     scratch, every request computed as on one thread: the same bits with 2, 3 or 7 parts, more parts than

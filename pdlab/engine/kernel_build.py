@@ -52,6 +52,7 @@ FLAGS = {"decode_attention": REASSOCIATE, "prefill_attention": REASSOCIATE, "rot
 THREADED = ("gemm", "decode_attention", "prefill_attention")  # their calls take a number of parts (threads)
 OPENMP = ["-fopenmp"]
 TMP_MARK = ".tmp-"  # in the name of a file being written
+FAILED = ".failed"  # beside a build's path: the compiler refused it (the reason inside); not tried again
 
 
 class BuildError(RuntimeError):
@@ -115,6 +116,16 @@ def open_kernel(name: str, march: str = "native", werror: bool = False) -> tuple
     return ctypes.CDLL(path), path
 
 
+def _refused(path: str) -> None:
+    """Raise the cached BuildError of a build the compiler refused before, if there is one."""
+    try:
+        with open(path + FAILED) as f:
+            why = f.read().strip()
+    except OSError:
+        return
+    raise BuildError(f"{why} (cached: delete {path + FAILED} to try again)")
+
+
 @contextlib.contextmanager
 def locked(directory: str) -> Iterator[None]:
     """An exclusive lock on the cache directory (released when the process dies, whatever the way)."""
@@ -128,7 +139,10 @@ def locked(directory: str) -> Iterator[None]:
 
 def build(name: str, march: str = "native", werror: bool = False, openmp: Optional[bool] = None) -> str:
     """The path of kernel `name`'s shared object for `-march=<march>` (openmp: as in `flags`), built if it is
-    not cached; raises BuildError with the reason."""
+    not cached; raises BuildError with the reason. A compiler's refusal is cached too (`<path>.failed`, its
+    reason inside), so that every worker start does not compile again what cannot compile (an OpenMP build
+    with a compiler without OpenMP): the key holds the source, the flags, the compiler's --version and the
+    CPU, so another compiler or source is tried afresh. A build that ran out of time is not cached."""
     cc = compiler()
     if shutil.which(cc) is None:
         raise BuildError(f"no C compiler ({cc} not found)")
@@ -144,10 +158,12 @@ def build(name: str, march: str = "native", werror: bool = False, openmp: Option
     path = os.path.join(out_dir, f"{name}-{key.hexdigest()[:16]}.so")
     if os.path.isfile(path):
         return path
+    _refused(path)
     os.makedirs(out_dir, exist_ok=True)
     with locked(out_dir):
         if os.path.isfile(path):  # another process built it while this one waited
             return path
+        _refused(path)
         for stale in os.listdir(out_dir):  # left by a build that was killed: nobody else is building now
             if TMP_MARK in stale:
                 os.unlink(os.path.join(out_dir, stale))
@@ -158,7 +174,10 @@ def build(name: str, march: str = "native", werror: bool = False, openmp: Option
             if p.returncode:
                 lines = p.stderr.strip().splitlines()
                 why = next((x for x in lines if "error" in x), lines[-1] if lines else "?")
-                raise BuildError(f"{cc} failed on {name}.c: {why.strip()}")
+                msg = f"{cc} failed on {name}.c: {why.strip()}"
+                with open(path + FAILED, "w") as f:
+                    f.write(msg)
+                raise BuildError(msg)
             os.replace(tmp, path)
         except subprocess.TimeoutExpired:
             raise BuildError(f"{cc} took over {KERNEL_BUILD_TIMEOUT_S:.0f} s on {name}.c") from None

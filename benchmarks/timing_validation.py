@@ -117,7 +117,8 @@ def render(name: str, cmp: dict, check: str, paced: dict | None) -> None:
     for line in check.splitlines():
         print(f"  {line}")
     if paced:
-        pace = ", ".join(f"{v} x{p:.2f}" for v, p in paced["paces"].items())
+        pace = "; ".join(f"{v}: " + ", ".join(f"{w} x{p['factor']:.2f}" for w, p in ws.items())
+                         for v, ws in paced["paces"].items())
         print(f"  replayed at the run's own pace ({pace}; pdlab profile --check --replay):")
         for line in table(paced["comparison"]):
             print(f"    {line}")
@@ -140,9 +141,15 @@ def replayed(run_dir: str, profile: str) -> dict:
     drift between the profile and the run is taken out."""
     from pdlab.measure.records import load_run
     from pdlab.recipe import load_profile
+    from pdlab.sim.pace import draw
     from pdlab.timing.replay import replay
 
-    return replay(load_run(run_dir), load_profile(profile, "--profile"))
+    res = replay(load_run(run_dir), load_profile(profile, "--profile"))
+    res["paces"] = {v: {w: {"factor": p.factor, "by_run": [list(x) for x in p.by_run],
+                            "gap_ms_p50": draw(p.gaps_ms, 0.5) if p.gaps_ms else None,
+                            "gap_ms_p99": draw(p.gaps_ms, 0.99) if p.gaps_ms else None}
+                        for w, p in ws.items()} for v, ws in res["paces"].items()}
+    return res
 
 
 def main() -> int:

@@ -228,12 +228,27 @@ def test_host_time_from_records():
     reqs = [req(2.0, 2.002, 2.1, 2.104), req(3.0, 3.003, 3.1, 3.106), req(4.0, 4.0035, 4.1, 4.105),
             req(4.05, 4.105, 4.2, 4.3)]  # the last arrived while prefill0 was stepping: not a clean hop
     h = host_times(steps, reqs)
-    assert h["samples"] == {"gaps": 5, "hops": 3, "handoffs": 3}
+    assert h["samples"] == {"gaps": 5, "hops": 3, "handoffs": 3, "sends": 0}  # no request waited behind another
     assert h["gap_ms"] == pytest.approx(1.0) and h["hop_ms"] == pytest.approx(3.0)
     assert h["handoff_ms"] == pytest.approx(5.0)
     assert host_raw({"gap_ms": 1.0, "hop_ms": 3.0, "handoff_ms": None}) == {"gap_ms": 1.0, "hop_ms": 3.0,
                                                                               "handoff_ms": 3.0}
     assert host_times(steps[:2], [])["hop_ms"] is None  # too few samples to say
+
+
+def test_send_time_is_read_from_requests_that_queued_behind_each_other():
+    """Requests due together reach the router one after another: the time between their arrivals there is
+    the send time; a request due after the one before it reached the router says nothing of it."""
+    def req(arrival, queued, rate=float("inf")):
+        return {"variant": "v", "rate": rate, "repeat": 0, "ok": True, "arrival": arrival,
+                "phases": {"queued": queued}}
+
+    burst = [req(5.0, 5.0 + 0.0007 * i + (0.002 if i == 3 else 0)) for i in range(6)]
+    spread = [req(1.0 + i, 1.0 + i + 0.0001, rate=1.0) for i in range(5)]
+    sends = host_times([], burst + spread)
+    assert sends["samples"]["sends"] == 5 and sends["send_ms"] == pytest.approx(0.7)
+    assert host_times([], spread)["send_ms"] is None
+    assert host_raw({"send_ms": 0.7})["send_ms"] == 0.7
 
 
 def sim_variant(deployment: dict, host: dict):

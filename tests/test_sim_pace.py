@@ -77,3 +77,27 @@ def test_gaps_are_drawn_from_the_workers_quantiles_and_repeat_exactly():
     assert once == gaps(Simulator(v, v.slo, pace).run(reqs, math.inf)[1])  # seeded: the same draws
     assert all(0.5 - 1e-6 <= g <= 9.0 + 1e-6 for g in once) and len(set(once)) > len(once) // 2
     assert set(gaps(Simulator(v, v.slo).run(reqs, math.inf)[1])) == {0.25}  # the profile's gap without a pace
+
+
+def test_a_burst_reaches_the_workers_send_ms_apart():
+    """At rate inf every request is due at once; the router takes them one at a time, send_ms each, so a
+    worker's first step starts with those that reached it by then (a run's first step at inf holds one
+    request), and the later ones wait for the next step."""
+    def first_step(send_ms):
+        raw = {"model": {"preset": "tiny-llama", "timing": {"name": "t", "step": TIMING,
+                                                            "host": {"hop_ms": 1.0, "send_ms": send_ms}}},
+               "engine": {"block_size": 8, "kv_blocks": 256, "max_running": 16},
+               "workload": {"requests": 6, "input_len": {"kind": "fixed", "value": 30},
+                            "output_len": {"kind": "fixed", "value": 4}},
+               "rates": [".inf"], "slo": {"ttft_ms": 1000, "itl_ms": 50},
+               "variants": {"v": {"deployment": {"unified": {"devices": ["cpu:0"]}}}}}
+        v = parse_recipe(raw).resolved("v")
+        recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, math.inf, seed=1, vocab_size=512),
+                                                 math.inf)
+        return min(steps, key=lambda s: s["start"]), recs
+
+    together, recs = first_step(0.0)
+    assert together["prefill_tokens"] == 6 * 30  # all at the worker before its first step
+    spread, recs = first_step(0.5)
+    assert spread["prefill_tokens"] == 30  # the first alone: the others reach it 0.5 ms apart, while it steps
+    assert len({r["ttft"] for r in recs}) > 1

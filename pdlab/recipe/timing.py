@@ -102,6 +102,8 @@ class HostTiming(Section):
                               "can start: harness, router, socket)", _ms)
     handoff_ms: float = spec(0.0, f"{MS} (a finished prefill to the decode worker acting on it: prefill -> router "
                                   "-> decode)", _ms)
+    send_ms: float = spec(0.0, f"{MS} (the harness and router's own time per request: requests due together reach "
+                               "the router this far apart, as a burst does)", _ms)
 
 
 @dataclass(frozen=True)
@@ -148,7 +150,7 @@ class TimingProfile(Section):
     kv_memory_gb: Optional[float] = spec(None, "a number > 0 (KV memory of the modelled device, GB)",
                                          optional(to_float(0.0)))
     transfer: tuple[tuple[str, TransferTiming], ...] = spec((), parse=_transfers)
-    host: HostTiming = spec(HostTiming(), "a worker's host time (gap_ms, hop_ms, handoff_ms)",
+    host: HostTiming = spec(HostTiming(), "a worker's host time (gap_ms, hop_ms, handoff_ms, send_ms)",
                             parse=section(HostTiming))
     # kernel -> {use, why, kernel_ms, torch_ms}: the CPU kernels the measured steps ran (pdlab.engine.kernel_check)
     kernels: Optional[dict] = spec(None, "a mapping kernel -> its choice (which CPU kernels the steps ran)",

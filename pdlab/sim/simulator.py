@@ -19,7 +19,8 @@ holds, as a decode worker does (pdlab.engine.timed).
 
 Host time (the profile's `host`, pdlab.timing.host): a worker starts its next step `gap_ms` after its last
 one ended (its own time in between: sending tokens, reading messages); a request reaches its worker `hop_ms`
-after its arrival; a hand-over reaches the decode side `handoff_ms` after the prefill ended (pull: the
+after the router took it, and the router takes requests one at a time, `send_ms` apart (a burst reaches the
+workers spread out, as a run's does); a hand-over reaches the decode side `handoff_ms` after the prefill ended (pull: the
 transfer starts then, and not before the decode worker's current step is over, since a worker reads its
 messages between steps; push: the decode worker admits the request that long after the KV landed). So
 simulated TTFT and ITL carry the time a run's do around its steps. Tokens are stamped at step ends.
@@ -108,6 +109,7 @@ class Simulator:
         self.xfer = self.timing.transfer_of(dep.transport) if dep.disaggregated else None
         host = self.timing.host
         self.gap_s, self.hop_s, self.handoff_s = host.gap_ms / 1e3, host.hop_ms / 1e3, host.handoff_ms / 1e3
+        self.send_s = host.send_ms / 1e3
         stand_in = load_stand_in(variant.model)
         self.workers: dict[str, _Worker] = {}
         unknown = set(paces or {}) - {w.name for w in dep.workers}
@@ -164,8 +166,10 @@ class Simulator:
         self._full: dict[str, int] = {}  # decode worker -> its free blocks when a reservation last failed
         events: list[tuple[float, int, str, str]] = []  # (time, seq, kind, req id)
         seq = 0
+        routed = -math.inf  # when the router took the last request: one at a time, send_s each
         for r in sorted(state.values(), key=lambda r: r.arrival):
-            heapq.heappush(events, (r.arrival + self.hop_s, seq, "arrive", r.wr.id))  # at its worker
+            routed = max(r.arrival, routed + self.send_s)
+            heapq.heappush(events, (routed + self.hop_s, seq, "arrive", r.wr.id))  # at its worker
             seq += 1
         self._events, self._seq = events, seq
         now = t0

@@ -122,7 +122,7 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         kinds = ", ".join(f"{k} {e['mape_pct']:.0f}% (x{e['ratio']:.2f}, {e['steps']})"
                           for k, e in c["kinds"].items() if e.get("steps"))
         h, ph = c["host"], c["profile_host"]
-        host = ", ".join(f"{k[:-3]} {_ms(h.get(k))} ({_ms(ph.get(k))})" for k in ("gap_ms", "hop_ms", "handoff_ms")
+        host = ", ".join(f"{k[:-3]} {_ms(h.get(k))} ({_ms(ph.get(k))})" for k in ("gap_ms", "hop_ms", "handoff_ms", "send_ms")
                          if h.get(k) is not None)
         what = "timed steps" if c["modelled"] else "steps"
         pace = c.get("pace")

@@ -9,6 +9,9 @@
 - handoff: a finished prefill to the decode worker acting on it, for hand-overs that found the decode
   worker idle: pull, prefill end -> transfer start (PrefillDone to the router, Pull to the decode worker);
   push, the later of prefill end and transfer end -> admitted (PrefillDone, then Admit).
+- send: the harness and router's own time per request, between two requests' arrivals at the router
+  (`queued`) where the later one was due before the earlier one got there (a backlog: a burst, or requests
+  at rate inf). Requests one at a time leave none.
 
 Each figure is the median over its samples (None without any); the samples counted are reported beside.
 Steps and requests are a run's steps.jsonl and requests.jsonl lines (or the same fields from a cluster).
@@ -90,14 +93,30 @@ def host_times(steps: list[dict], requests: list[dict]) -> dict:
             continue
         if b >= a and not dec.busy(a) and not dec.started_between(a, b):
             handoffs.append(b - a)
-    g = gaps(steps)
-    return {"gap_ms": _median(g), "hop_ms": _median(hops), "handoff_ms": _median(handoffs),
-            "samples": {"gaps": len(g), "hops": len(hops), "handoffs": len(handoffs)}}
+    g, sn = gaps(steps), sends(requests)
+    return {"gap_ms": _median(g), "hop_ms": _median(hops), "handoff_ms": _median(handoffs), "send_ms": _median(sn),
+            "samples": {"gaps": len(g), "hops": len(hops), "handoffs": len(handoffs), "sends": len(sn)}}
+
+
+def sends(requests: list[dict]) -> list[float]:
+    """Seconds between consecutive arrivals at the router of requests that queued behind each other: the later
+    one was due (`arrival`) before the earlier one reached the router (`phases.queued`)."""
+    by: dict[tuple, list[dict]] = defaultdict(list)
+    for r in requests:
+        if "queued" in (r.get("phases") or {}):
+            by[_key(r, None)].append(r)
+    out = []
+    for rs in by.values():
+        rs.sort(key=lambda r: r["phases"]["queued"])
+        for a, b in zip(rs, rs[1:]):
+            if b["arrival"] <= a["phases"]["queued"]:
+                out.append(b["phases"]["queued"] - a["phases"]["queued"])
+    return out
 
 
 def host_raw(est: dict) -> dict:
     """A profile's `host` block from an estimate: every figure it has (handoff, when not seen: the hop)."""
-    out = {k: est[k] for k in ("gap_ms", "hop_ms", "handoff_ms") if est.get(k) is not None}
+    out = {k: est[k] for k in ("gap_ms", "hop_ms", "handoff_ms", "send_ms") if est.get(k) is not None}
     if "handoff_ms" not in out and "hop_ms" in out:
         out["handoff_ms"] = out["hop_ms"]
     return out

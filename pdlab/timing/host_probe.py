@@ -3,7 +3,9 @@ the router, worker processes, the shm hand-over) serves a few requests one at a 
 reads its host time from the steps and phases it reports, as `pdlab profile --check` reads a run's.
 
 Requests one at a time find both workers idle, so their arrival and hand-over hops are clean samples, and
-each request's decode steps run back to back, so the gaps between them are too.
+each request's decode steps run back to back, so the gaps between them are too. Then a burst of BURST
+requests submitted together, as a run's harness submits requests that are due (all of them at rate inf): the
+router takes them one at a time, and their arrivals there, apart, give the send time.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 REQUESTS = 8
+BURST = 8  # requests submitted together after them
 PROMPTS = (64, 256)  # prompt lengths drawn uniformly from this range
 OUTPUT = 16
 IDLE_S = 0.05  # between one request's end and the next one's submission: both workers idle again
@@ -50,28 +53,35 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         cluster.start()
         if say:
             say(f"host time: a 1P1D pull deployment on cpu:{cores[0]} and cpu:{cores[-1]}, {REQUESTS} requests "
-                "one at a time")
+                f"one at a time, then {BURST} together")
         vocab = model_config(spec).vocab_size
         deadline = time.monotonic() + TIMEOUT_S
-        for i in range(REQUESTS):
-            prompt = rng.integers(3, vocab, size=int(rng.integers(*PROMPTS))).tolist()
-            rid = f"h{i}"
+
+        def serve(ids: list[str]) -> None:
+            """Submit `ids` together, then read events until all are done (and both workers idle again)."""
             arrival = time.monotonic()
-            cluster.submit(rid, prompt, {"max_tokens": OUTPUT, "ignore_eos": True})
-            done = None
-            while done is None:
+            for rid in ids:
+                prompt = rng.integers(3, vocab, size=int(rng.integers(*PROMPTS))).tolist()
+                cluster.submit(rid, prompt, {"max_tokens": OUTPUT, "ignore_eos": True})
+            left = set(ids)
+            while left:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the host-time probe did not finish within {TIMEOUT_S:.0f} s")
                 for e in cluster.poll(0.2):
                     if isinstance(e, StepEvent):
                         steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
-                    elif isinstance(e, RequestDone) and e.req_id == rid:
-                        done = e
-            if not done.ok:
-                raise RuntimeError(f"the host-time probe's request {rid} failed: {done.error}")
-            requests.append({**tag, "id": rid, "arrival": arrival, "ok": True, "phases": dict(done.phases),
-                             "prefill_worker": done.prefill_worker, "decode_worker": done.decode_worker})
+                    elif isinstance(e, RequestDone) and e.req_id in left:
+                        if not e.ok:
+                            raise RuntimeError(f"the host-time probe's request {e.req_id} failed: {e.error}")
+                        left.discard(e.req_id)
+                        requests.append({**tag, "id": e.req_id, "arrival": arrival, "ok": True,
+                                         "phases": dict(e.phases), "prefill_worker": e.prefill_worker,
+                                         "decode_worker": e.decode_worker})
             for e in cluster.poll(IDLE_S):  # the last step records, then both workers idle
                 if isinstance(e, StepEvent):
                     steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
+
+        for i in range(REQUESTS):
+            serve([f"h{i}"])
+        serve([f"b{i}" for i in range(BURST)])
     return {**host_times(steps, requests), "requests": len(requests)}

@@ -5,9 +5,10 @@ eight quiet minutes on the developers' 2-core VM, and runs took x1.07-1.7 their 
 issue 25). A simulation from a profile measured before a run then misses by the box's drift, and that miss
 says nothing of what the simulator adds to the step model: the scheduler and queueing, host time, hand-overs.
 The replay takes the drift out worker by worker: each worker's pace (pdlab.sim.pace.WorkerPace) is read from
-its own steps in the run: its busy time over what the profile predicts for the same steps, how its steps
-spread around that, and the gaps between them. Each variant is then simulated with those paces (the profile's
-hop, hand-over and transfer times as they are), at the rates and SLO the run resolved, with the run's seeds,
+its own steps in the run: its busy time over what the profile predicts for the same steps (in all and rate by
+rate), and the gaps between its steps. Each variant is then simulated with those paces and the run's own
+hops (arrival, hand-over and send times, pdlab.timing.host; the profile's where the run has too few samples)
+and the profile's transfer figures, at the rates and SLO the run resolved, with the run's seeds,
 and its figures are set beside the run's: TTFT p50 and p90, the p90 over requests of each request's p99 ITL,
 attainment, and output throughput at saturation.
 
@@ -34,6 +35,7 @@ from pdlab.workload import rate_tag
 # throughput, absolute for attainment
 TARGETS = {"ttft_p50": 0.20, "ttft_p90": 0.25, "itl_p90": 0.25, "attainment": 0.15, "saturation": 0.15}
 LATENCIES = ("ttft_p50", "ttft_p90", "itl_p90")
+HOPS = ("hop_ms", "handoff_ms", "send_ms")  # host times a replay takes from the run (gaps: WorkerPace)
 
 
 class ReplayError(ValueError):
@@ -193,6 +195,8 @@ def replay(run: Any, profile: Optional[TimingProfile] = None) -> dict:
         mine = worker_paces(base, [s for s in run.steps if s.get("variant") == name])
         if not mine:
             continue
+        own = {k: c["host"][k] for k in HOPS if c["host"].get(k) is not None}  # the run's, where it measured them
+        base = base.replace(host=base.host.replace(**own))
         r = parse_recipe(replay_raw(run.recipe, run.summary, run.requests, name, base))
         res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()}, paces={name: mine})
         s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: r.rates for n in r.variants},

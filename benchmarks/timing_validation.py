@@ -16,8 +16,9 @@ Per variant and rate: TTFT p50 and p90, the p90 over requests of each request's 
 variant the saturation output throughput; per recipe whether the deployments rank the same (by saturation
 throughput, and by mean attainment over the finite rates). The targets (issue 25) are printed beside: TTFT
 p50 within 20%, TTFT p90 and ITL p90 within 25%, attainment within 0.15, saturation within 15%, the same
-ranking. Each real run is then replayed at its own pace (pdlab.timing.replay: the profile's step terms times
-the run's measured / predicted step time, per variant), and the same figures are counted again: the forecast's
+ranking. Each real run is then replayed at its own pace (pdlab.timing.replay: each worker's steps at their
+measured / predicted time in the run, rate by rate, with the run's gaps and hops), and the same figures are
+counted again: the forecast's
 miss is the box's drift between the profile and the run plus the simulator's own error; the replay's is the
 latter alone. DIR/validation.json keeps every figure; the runs stay in DIR for pdlab compare.
 """

@@ -19,7 +19,7 @@ from pdlab.workload import build_workload
 PROFILE = TimingProfile(name="box", source="measured", device_kind="cpu", model="tiny-llama",
                         step=StepTiming(fixed_ms=3, prefill_token_ms=0.08, decode_seq_ms=0.4, context_token_ms=0.001,
                                         chunk_ms=0.5, fresh_pair_ms=0.02, knee_token_ms=0.05, knee_tokens=16),
-                        kv_bytes_per_token=1024, kv_memory_gb=1.0, host=HostTiming(0.3, 1.0, 2.0),
+                        kv_bytes_per_token=1024, kv_memory_gb=1.0, host=HostTiming(0.3, 1.0, 2.0, 0.4),
                         transfer=(("shm", load_profile("cpu-demo-2core").transfer_of("shm")),))
 
 
@@ -68,7 +68,8 @@ def test_a_run_on_a_box_uniformly_slower_than_its_profile_replays_to_its_own_fig
         for p in ws.values():
             assert p.factor == pytest.approx(1.4) and [t for t, _, _ in p.by_run] == ["20", "inf"]
             assert all(f == pytest.approx(1.4) for _, _, f in p.by_run)
-            assert p.gaps_ms[0] == pytest.approx(0.3) and p.gaps_ms[-1] == pytest.approx(0.3)  # the host gap
+            assert set(map(round, p.gaps_ms, [6] * len(p.gaps_ms))) <= {0.3}  # the host gap, where back to back
+    assert res["paces"]["pd"]["decode0"].gaps_ms and res["paces"]["unified"]["unified0"].gaps_ms
     rows = res["comparison"]["rows"]
     assert {(r["variant"], r["rate"]) for r in rows} == {(v, t) for v in ("unified", "pd") for t in ("20", "inf")}
     for r in rows:  # the same simulator, the same seeds and rates, the box's own step times: the same figures
@@ -100,6 +101,11 @@ def test_each_worker_and_rate_keeps_its_own_pace(tmp_path):
     assert p["prefill0"].factor == pytest.approx(1.0)
     assert dict((t, f) for t, _, f in p["decode0"].by_run) == {"20": pytest.approx(2.0), "inf": pytest.approx(1.5)}
     assert 1.5 < p["decode0"].factor < 2.0
+    # warm-up steps are not the run's measured steps; a worker that took none steps at the others' pace
+    warm = [dict(s, warmup=True, end=s["start"] + 10 * (s["end"] - s["start"])) for s in steps[:5]]
+    assert worker_paces(PROFILE, steps + warm)["decode0"].by_run == p["decode0"].by_run
+    idle = worker_paces(PROFILE, [s for s in steps if s["worker"] == "decode0"], ["prefill0", "decode0"])
+    assert idle["prefill0"].factor == pytest.approx(idle["decode0"].factor) and not idle["prefill0"].by_run
     # the replay steps the decode worker at its own pace for each rate, and leaves the prefill worker's alone
     run.steps = [s for s in run.steps if s["variant"] != "pd"] + steps
     res = replay(run)

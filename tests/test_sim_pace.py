@@ -7,8 +7,9 @@ import math
 import pytest
 
 from pdlab.recipe import parse_recipe
-from pdlab.sim.pace import PacedTiming, WorkerPace, draw, quantiles
+from pdlab.sim.pace import LEVELS, PacedTiming, WorkerPace, draw, quantiles
 from pdlab.sim.simulator import Simulator
+from pdlab.timing.host import host_times
 from pdlab.workload import build_requests
 
 TIMING = {"fixed_ms": 2, "prefill_token_ms": 0.5, "decode_seq_ms": 1}
@@ -29,10 +30,13 @@ PD = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode
 
 
 def test_quantiles_and_draws_follow_the_values():
-    q = quantiles([4.0, 1.0, 3.0, 2.0, 5.0], n=5)
-    assert q == (1.0, 2.0, 3.0, 4.0, 5.0)
-    assert (draw(q, 0.0), draw(q, 0.5), draw(q, 1.0), draw(q, 0.125)) == (1.0, 3.0, 5.0, 1.5)
-    assert quantiles([]) == () and quantiles([7.0], n=3) == (7.0, 7.0, 7.0)
+    q = quantiles([4.0, 1.0, 3.0, 2.0, 5.0])
+    assert len(q) == len(LEVELS) and (q[0], q[-1]) == (1.0, 5.0)
+    assert [draw(q, u) for u in (0.0, 0.5, 1.0, 0.125, 0.995)] == pytest.approx([1.0, 3.0, 5.0, 1.5, 4.98])
+    assert quantiles([]) == () and set(quantiles([7.0])) == {7.0}
+    # the tail is kept where a request's p99 ITL reads it: one long pause among 1,000 gaps moves p99.5 little
+    tail = quantiles([1.0] * 999 + [100.0])
+    assert draw(tail, 0.99) == pytest.approx(1.0) and draw(tail, 0.995) == pytest.approx(1.0)
 
 
 def test_a_worker_steps_at_its_factor_for_the_rate_simulated():
@@ -101,3 +105,7 @@ def test_a_burst_reaches_the_workers_send_ms_apart():
     spread, recs = first_step(0.5)
     assert spread["prefill_tokens"] == 30  # the first alone: the others reach it 0.5 ms apart, while it steps
     assert len({r["ttft"] for r in recs}) > 1
+    # the records say when the router took each request, as a run's do: the send time reads back from them
+    assert sorted(round((r["phases"]["queued"] - recs[0]["arrival"]) * 1e3, 6) for r in recs) == \
+        [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
+    assert host_times([], recs)["send_ms"] == pytest.approx(0.5)

@@ -185,12 +185,14 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
 
 def _replay(run: object, given: object) -> int:
     """The run simulated at its own pace, beside the run (pdlab.timing.replay)."""
+    from pdlab.engine.model import ModelLoadError
     from pdlab.recipe import RecipeError
     from pdlab.timing.replay import TARGETS, ReplayError, replay, table, within
+    from pdlab.workload import WorkloadError
 
     try:
         res = replay(run, given)
-    except (ReplayError, RecipeError) as e:
+    except (ReplayError, RecipeError, WorkloadError, ModelLoadError) as e:  # a trace or model not on this machine
         return _err(f"--replay: {e}")
     paces = "; ".join(f"{v}: " + ", ".join(f"{w} x{p.factor:.2f}" for w, p in ws.items())
                       for v, ws in res["paces"].items())

@@ -53,6 +53,7 @@ THREADED = ("gemm", "decode_attention", "prefill_attention")  # their calls take
 OPENMP = ["-fopenmp"]
 TMP_MARK = ".tmp-"  # in the name of a file being written
 FAILED = ".failed"  # beside a build's path: the compiler refused it (the reason inside); not tried again
+TRANSIENT = ("Killed", "No space left", "Cannot allocate memory", "out of memory")  # failures not to cache
 
 
 class BuildError(RuntimeError):
@@ -142,7 +143,9 @@ def build(name: str, march: str = "native", werror: bool = False, openmp: Option
     not cached; raises BuildError with the reason. A compiler's refusal is cached too (`<path>.failed`, its
     reason inside), so that every worker start does not compile again what cannot compile (an OpenMP build
     with a compiler without OpenMP): the key holds the source, the flags, the compiler's --version and the
-    CPU, so another compiler or source is tried afresh. A build that ran out of time is not cached."""
+    CPU, so another compiler or source is tried afresh (after installing a missing runtime for the same
+    compiler, delete the file). A build that ran out of time, was killed or ran out of memory or disk is not
+    cached."""
     cc = compiler()
     if shutil.which(cc) is None:
         raise BuildError(f"no C compiler ({cc} not found)")
@@ -175,8 +178,10 @@ def build(name: str, march: str = "native", werror: bool = False, openmp: Option
                 lines = p.stderr.strip().splitlines()
                 why = next((x for x in lines if "error" in x), lines[-1] if lines else "?")
                 msg = f"{cc} failed on {name}.c: {why.strip()}"
-                with open(path + FAILED, "w") as f:
-                    f.write(msg)
+                if p.returncode > 0 and not any(x in p.stderr for x in TRANSIENT):  # a refusal, not a mishap
+                    with open(tmp + FAILED, "w") as f:
+                        f.write(msg)
+                    os.replace(tmp + FAILED, path + FAILED)
                 raise BuildError(msg)
             os.replace(tmp, path)
         except subprocess.TimeoutExpired:

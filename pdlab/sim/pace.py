@@ -10,7 +10,7 @@ its gaps, so it takes the tail.
 - `factor`: the worker's steps over the profile's prediction, in all (sum of measured over sum of predicted).
 - `by_run`: the same per (rate tag, repeat) of the run: the pace while that rate ran; the simulator takes it
   for that rate and repeat, `factor` for any other.
-- `gaps_ms`: quantiles (evenly spaced, 0 to 1) of the worker's own time between back-to-back steps; the
+- `gaps_ms`: quantiles (at LEVELS) of the worker's own time between back-to-back steps; the
   simulator draws each gap from them, seeded per worker, rate and repeat (a simulation repeats exactly);
   empty: the profile's gap_ms.
 
@@ -25,9 +25,13 @@ import zlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
+
 from pdlab.workload import rate_tag
 
-QUANTILES = 41  # 0, 2.5%, ..., 100%: a run's tails without carrying every step
+# the probability levels a WorkerPace keeps its gaps at: every 5% to 95%, then dense in the tail, where a
+# request's p99 ITL takes its gaps from (evenly spaced levels put p99.5 most of the way to the largest gap)
+LEVELS = (tuple(i / 20 for i in range(20)) + (0.96, 0.97, 0.98, 0.99, 0.995, 0.998, 0.999, 1.0))
 
 
 @dataclass(frozen=True)
@@ -37,25 +41,16 @@ class WorkerPace:
     by_run: tuple[tuple[str, int, float], ...] = ()  # (rate tag, repeat, factor)
 
 
-def quantiles(xs: Sequence[float], n: int = QUANTILES) -> tuple[float, ...]:
-    """`n` evenly spaced quantiles of `xs` (linear interpolation); () for no values."""
-    s = sorted(xs)
-    if not s:
+def quantiles(xs: Sequence[float]) -> tuple[float, ...]:
+    """The quantiles of `xs` at LEVELS (linear interpolation); () for no values."""
+    if not len(xs):
         return ()
-    out = []
-    for i in range(n):
-        pos = i * (len(s) - 1) / (n - 1)
-        lo = int(pos)
-        hi = min(lo + 1, len(s) - 1)
-        out.append(s[lo] + (s[hi] - s[lo]) * (pos - lo))
-    return tuple(out)
+    return tuple(float(q) for q in np.quantile(np.asarray(xs, dtype=float), LEVELS))
 
 
 def draw(qs: tuple[float, ...], u: float) -> float:
-    """The value at probability `u` of the distribution whose evenly spaced quantiles are `qs`."""
-    pos = u * (len(qs) - 1)
-    lo = min(int(pos), len(qs) - 2)
-    return qs[lo] + (qs[lo + 1] - qs[lo]) * (pos - lo)
+    """The value at probability `u` of the distribution whose quantiles at LEVELS are `qs`."""
+    return float(np.interp(u, LEVELS, qs))
 
 
 class PacedTiming:

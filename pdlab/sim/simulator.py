@@ -90,6 +90,7 @@ class _Req:
     reservation: Any = None
     src_blocks: list = field(default_factory=list)  # the prompt's blocks in the prefill engine's pool
     route: str = "remote"  # where its prompt is prefilled (constants.PREFILL_ROUTES)
+    routed: float = 0.0  # when the router took it (its arrival, or send_ms after the request before)
     seq: Any = None  # unified and local routes: its engine Sequence, for the prefill's timestamps
 
 
@@ -168,7 +169,7 @@ class Simulator:
         seq = 0
         routed = -math.inf  # when the router took the last request: one at a time, send_s each
         for r in sorted(state.values(), key=lambda r: r.arrival):
-            routed = max(r.arrival, routed + self.send_s)
+            routed = r.routed = max(r.arrival, routed + self.send_s)
             heapq.heappush(events, (routed + self.hop_s, seq, "arrive", r.wr.id))  # at its worker
             seq += 1
         self._events, self._seq = events, seq
@@ -209,7 +210,7 @@ class Simulator:
         r = self._reqs[rid]
         params = SamplingParams(max_tokens=r.wr.output_len, ignore_eos=True)
         if kind == "arrive":
-            r.phases["queued"] = r.arrival  # the router takes it at once; its worker sees it a hop later (now)
+            r.phases["queued"] = r.routed  # when the router took it (send_ms behind the one before); a hop later here
             to = place_arrival([self._view(w) for w in self.workers.values()], r.wr.prompt_ids, self.mode,
                                self.remote_min)
             w, r.route = self.workers[to.worker.name], to.route

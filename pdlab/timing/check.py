@@ -42,9 +42,9 @@ def samples(steps: list[dict]) -> list[StepSample]:
 
 
 def check_steps(profile: Any, steps: list[dict]) -> dict:
-    """{steps, overall, kinds: {kind: {steps, mape_pct, p90_pct, max_pct, r2, ratio, pace}}}: the profile's step
-    model against `steps` (ratio: the median of measured / predicted; pace: the steps' measured time over
-    their predicted time, summed: the factor pdlab.timing.replay scales the profile by)."""
+    """{steps, overall, kinds: {kind: {steps, mape_pct, p90_pct, max_pct, r2, ratio, busy_ratio}}}: the profile's
+    step model against `steps` (ratio: the median of measured / predicted; busy_ratio: the steps' measured
+    time over their predicted time, summed: what pdlab.timing.replay scales a worker's steps by)."""
     ss = samples(steps)
     coef = profile.step.to_raw()
     out: dict = {"steps": len(ss), "overall": _errors(coef, ss), "kinds": {}}
@@ -58,8 +58,13 @@ def _errors(coef: dict, ss: list[StepSample]) -> dict:
     if ss:
         p = predict(coef, ss)
         e["ratio"] = float(statistics.median(s.ms / max(x, 1e-9) for s, x in zip(ss, p)))
-        e["pace"] = float(sum(s.ms for s in ss) / max(float(sum(p)), 1e-9))
+        e["busy_ratio"] = busy_ratio(ss, p)
     return e
+
+
+def busy_ratio(ss: list[StepSample], predicted: Any) -> float:
+    """The steps' measured time over their predicted time, summed (1.3: the steps took 30% longer in all)."""
+    return float(sum(s.ms for s in ss) / max(float(sum(predicted)), 1e-9))
 
 
 def profile_for(name: str, variants: dict[str, Any]) -> Optional[tuple[Any, str]]:

@@ -5,7 +5,8 @@ reads its host time from the steps and phases it reports, as `pdlab profile --ch
 Requests one at a time find both workers idle, so their arrival and hand-over hops are clean samples, and
 each request's decode steps run back to back, so the gaps between them are too. Then a burst of BURST
 requests submitted together, as a run's harness submits requests that are due (all of them at rate inf): the
-router takes them one at a time, and their arrivals there, apart, give the send time.
+router takes them one at a time, and their arrivals there, apart, give the send time. The burst's batched
+steps add to the gap samples too.
 """
 
 from __future__ import annotations
@@ -59,9 +60,9 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
 
         def serve(ids: list[str]) -> None:
             """Submit `ids` together, then read events until all are done (and both workers idle again)."""
-            arrival = time.monotonic()
-            for rid in ids:
-                prompt = rng.integers(3, vocab, size=int(rng.integers(*PROMPTS))).tolist()
+            prompts = [rng.integers(3, vocab, size=int(rng.integers(*PROMPTS))).tolist() for _ in ids]
+            arrival = time.monotonic()  # made before: a burst's spacing is the router's alone, as a harness's is
+            for rid, prompt in zip(ids, prompts):
                 cluster.submit(rid, prompt, {"max_tokens": OUTPUT, "ignore_eos": True})
             left = set(ids)
             while left:

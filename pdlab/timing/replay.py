@@ -20,13 +20,13 @@ box's speed and noise to account (scheduling, queueing, placement, hand-overs). 
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
 from pdlab.recipe.timing import TimingProfile
 from pdlab.sim.pace import WorkerPace, quantiles
-from pdlab.timing.check import samples
+from pdlab.timing.check import busy_ratio, samples
 from pdlab.timing.fit import predict
 from pdlab.timing.host import gaps
 from pdlab.workload import rate_tag
@@ -42,15 +42,17 @@ class ReplayError(ValueError):
     """A run that cannot be replayed (one line)."""
 
 
-def worker_paces(profile: TimingProfile, steps: list[dict]) -> dict[str, WorkerPace]:
-    """worker -> its pace in `steps` (one variant's step records) against `profile`: its steps' measured time
-    over their predicted time (in all, and per rate and repeat), and the quantiles of its gaps between
-    back-to-back steps."""
+def worker_paces(profile: TimingProfile, steps: list[dict], workers: Sequence[str] = ()) -> dict[str, WorkerPace]:
+    """worker -> its pace in `steps` (one variant's step records; warm-up left out, as the figures leave its
+    requests out) against `profile`: its steps' measured time over their predicted time (in all, and per rate
+    and repeat), and the quantiles of its gaps between back-to-back steps. A worker of `workers` that took no
+    step (an idle replica) steps at the pace of all the others' steps together, not at the profile's."""
     coef = profile.step.to_raw()
+    steps = [s for s in steps if not s.get("warmup")]
 
     def factor(mine: list[dict]) -> Optional[float]:
         ss = samples(mine)
-        return sum(s.ms for s in ss) / max(float(sum(predict(coef, ss))), 1e-9) if ss else None
+        return busy_ratio(ss, predict(coef, ss)) if ss else None
 
     out = {}
     for w in sorted({s.get("worker") for s in steps if s.get("worker")}):
@@ -63,6 +65,10 @@ def worker_paces(profile: TimingProfile, steps: list[dict]) -> dict[str, WorkerP
                        if (f := factor([s for s in mine if rate_tag(float(s["rate"])) == t
                                         and int(s.get("repeat") or 0) == r])) is not None)
         out[w] = WorkerPace(total, quantiles([g * 1000.0 for g in gaps(mine)]), by_run)
+    pooled = factor(steps) if out else None
+    for w in workers:
+        if w not in out and pooled is not None:
+            out[w] = WorkerPace(pooled)
     return out
 
 
@@ -153,7 +159,7 @@ def table(cmp: dict) -> list[str]:
 def replay_raw(raw: dict, summary: dict, requests: list[dict], variant: str, profile: TimingProfile) -> dict:
     """The run's recipe (raw, as recipe.yaml has it) for one variant, simulated with `profile`: the rates
     and SLO the run resolved (its requests' rates; summary.json's absolute SLO)."""
-    if raw.get("rates") == "auto" or any((v or {}).get("rates") == "auto" for v in (raw.get("variants") or {}).values()):
+    if raw.get("rates") == "auto":
         raise ReplayError("the run searched its rates (rates: auto): a replay sets grid rates side by side; run the "
                           "recipe with a list of rates")
     rates = sorted({float(r["rate"]) for r in requests if r.get("variant") == variant})
@@ -192,9 +198,13 @@ def replay(run: Any, profile: Optional[TimingProfile] = None) -> dict:
         if c["modelled"]:
             continue
         base = profile if profile is not None else profile_for(name, variants)[0]
-        mine = worker_paces(base, [s for s in run.steps if s.get("variant") == name])
+        workers = [w.name for w in variants[name].deployment.workers]
+        mine = worker_paces(base, [s for s in run.steps if s.get("variant") == name], workers)
         if not mine:
             continue
+        if set(mine) - set(workers):
+            raise ReplayError(f"variant {name}: the run's steps name workers its deployment does not have "
+                              f"({', '.join(sorted(set(mine) - set(workers)))}): was the recipe edited after the run?")
         own = {k: c["host"][k] for k in HOPS if c["host"].get(k) is not None}  # the run's, where it measured them
         base = base.replace(host=base.host.replace(**own))
         r = parse_recipe(replay_raw(run.recipe, run.summary, run.requests, name, base))

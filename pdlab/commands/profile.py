@@ -175,7 +175,7 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
     for w in warnings:
         print(f"warning: {w}")
     if replay:
-        code = _replay(run, given)
+        code = _replay(run, given, checks)
         if code:
             return code
     if write_host:
@@ -183,7 +183,7 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
     return 0
 
 
-def _replay(run: object, given: object) -> int:
+def _replay(run: object, given: object, checks: dict) -> int:
     """The run simulated at its own pace, beside the run (pdlab.timing.replay)."""
     from pdlab.engine.model import ModelLoadError
     from pdlab.recipe import RecipeError
@@ -191,7 +191,7 @@ def _replay(run: object, given: object) -> int:
     from pdlab.workload import WorkloadError
 
     try:
-        res = replay(run, given)
+        res = replay(run, given, checks)
     except (ReplayError, RecipeError, WorkloadError, ModelLoadError) as e:  # a trace or model not on this machine
         return _err(f"--replay: {e}")
     paces = "; ".join(f"{v}: " + ", ".join(f"{w} x{p.factor:.2f}" for w, p in ws.items())

@@ -20,8 +20,8 @@ holds, as a decode worker does (pdlab.engine.timed).
 Host time (the profile's `host`, pdlab.timing.host): a worker starts its next step `gap_ms` after its last
 one ended (its own time in between: sending tokens, reading messages); a request reaches its worker `hop_ms`
 after the router took it, and the router takes requests one at a time, `send_ms` apart (a burst reaches the
-workers spread out, as a run's does); a hand-over reaches the decode side `handoff_ms` after the prefill ended (pull: the
-transfer starts then, and not before the decode worker's current step is over, since a worker reads its
+workers spread out, as a run's does); a hand-over reaches the decode side `handoff_ms` after the prefill ended
+(pull: the transfer starts then, and not before the decode worker's current step is over, since a worker reads its
 messages between steps; push: the decode worker admits the request that long after the KV landed). So
 simulated TTFT and ITL carry the time a run's do around its steps. Tokens are stamped at step ends.
 
@@ -115,7 +115,8 @@ class Simulator:
         self.workers: dict[str, _Worker] = {}
         unknown = set(paces or {}) - {w.name for w in dep.workers}
         if unknown:
-            raise ValueError(f"variant {variant.name}: paces for workers it does not have: {', '.join(sorted(unknown))}")
+            raise ValueError(f"variant {variant.name}: paces for workers it does not have: "
+                             f"{', '.join(sorted(unknown))}")
         for w in dep.workers:
             clock = VirtualClock()
             pace = (paces or {}).get(w.name)
@@ -152,7 +153,6 @@ class Simulator:
         for w in self.workers.values():
             if w.paced is not None:
                 w.paced.start(rate, repeat)
-        for w in self.workers.values():
             w.engine.reset_prefix_cache()
             t = max(w.free_at, w.clock.t)
             w.clock.advance_to(t)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from pdlab.constants import PACE_DRIFT, PROFILE_CHECK_MAPE_PCT
 from pdlab.engine.timed import StepCounts
 from pdlab.timing.fit import KINDS, StepSample, errors, predict
-from pdlab.timing.host import host_times
+from pdlab.timing.host import FIGURES, host_times
 
 COUNTS = tuple(StepCounts.__dataclass_fields__)
 
@@ -127,8 +127,7 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         kinds = ", ".join(f"{k} {e['mape_pct']:.0f}% (x{e['ratio']:.2f}, {e['steps']})"
                           for k, e in c["kinds"].items() if e.get("steps"))
         h, ph = c["host"], c["profile_host"]
-        host = ", ".join(f"{k[:-3]} {_ms(h.get(k))} ({_ms(ph.get(k))})" for k in ("gap_ms", "hop_ms", "handoff_ms", "send_ms")
-                         if h.get(k) is not None)
+        host = ", ".join(f"{k[:-3]} {_ms(h.get(k))} ({_ms(ph.get(k))})" for k in FIGURES if h.get(k) is not None)
         what = "timed steps" if c["modelled"] else "steps"
         pace = c.get("pace")
         out.append(f"{name}: {what} against profile {c['profile']} ({c['by']}): MAPE {kinds} [measured/predicted, "

@@ -25,6 +25,7 @@ from collections import defaultdict
 from typing import Optional
 
 MIN_SAMPLES = 3  # fewer than this: the figure is not estimated
+FIGURES = ("gap_ms", "hop_ms", "handoff_ms", "send_ms")  # what host_times estimates (a profile's `host` keys)
 
 
 class _Timeline:
@@ -116,7 +117,7 @@ def sends(requests: list[dict]) -> list[float]:
 
 def host_raw(est: dict) -> dict:
     """A profile's `host` block from an estimate: every figure it has (handoff, when not seen: the hop)."""
-    out = {k: est[k] for k in ("gap_ms", "hop_ms", "handoff_ms", "send_ms") if est.get(k) is not None}
+    out = {k: est[k] for k in FIGURES if est.get(k) is not None}
     if "handoff_ms" not in out and "hop_ms" in out:
         out["handoff_ms"] = out["hop_ms"]
     return out

@@ -28,14 +28,14 @@ from pdlab.recipe.timing import TimingProfile
 from pdlab.sim.pace import WorkerPace, quantiles
 from pdlab.timing.check import busy_ratio, samples
 from pdlab.timing.fit import predict
-from pdlab.timing.host import gaps
+from pdlab.timing.host import FIGURES, gaps
 from pdlab.workload import rate_tag
 
 # issue 25's targets for a simulation against its run: relative for the latencies and the saturation
 # throughput, absolute for attainment
 TARGETS = {"ttft_p50": 0.20, "ttft_p90": 0.25, "itl_p90": 0.25, "attainment": 0.15, "saturation": 0.15}
 LATENCIES = ("ttft_p50", "ttft_p90", "itl_p90")
-HOPS = ("hop_ms", "handoff_ms", "send_ms")  # host times a replay takes from the run (gaps: WorkerPace)
+HOPS = tuple(k for k in FIGURES if k != "gap_ms")  # host times a replay takes from the run (gaps: WorkerPace)
 
 
 class ReplayError(ValueError):
@@ -175,11 +175,12 @@ def replay_raw(raw: dict, summary: dict, requests: list[dict], variant: str, pro
                 variants={variant: one}, simulate=True)
 
 
-def replay(run: Any, profile: Optional[TimingProfile] = None) -> dict:
+def replay(run: Any, profile: Optional[TimingProfile] = None, checks: Optional[dict] = None) -> dict:
     """{paces: variant -> worker -> WorkerPace, profiles: variant -> profile name, comparison: compare's result}:
     each variant of `run` (pdlab.measure.records.Run) that ran its model and has a profile to check (`profile`,
     else the one its recipe names: pdlab.timing.check.profile_for), simulated at its workers' paces and set
-    beside the run. Raises ReplayError (and pdlab.timing.check.CheckError)."""
+    beside the run. `checks`: check_run's result for the same run and profile, where the caller has it (else it
+    is computed here). Raises ReplayError (and pdlab.timing.check.CheckError)."""
     from pdlab.measure.summary import summarize_run
     from pdlab.recipe import parse_recipe
     from pdlab.sim.experiment import simulate_recipe
@@ -192,7 +193,8 @@ def replay(run: Any, profile: Optional[TimingProfile] = None) -> dict:
         raise ReplayError(f"{run.path}: a simulated run: replay a real one")
     recipe = parse_recipe(run.recipe)
     variants = {n: recipe.resolved(n) for n in recipe.variant_names}
-    checks = check_run(variants, run.steps, run.requests, profile)
+    if checks is None:
+        checks = check_run(variants, run.steps, run.requests, profile)
     real, sim, paces, names = figures(run.requests, run.summary), {}, {}, {}
     for name, c in checks.items():
         if c["modelled"]:

@@ -174,7 +174,9 @@ def test_run_simulate_writes_a_run_directory(tmp_path):
     assert set(s["modelled"]) == {"u", "pull"} and "simulated" in s["modelled"]["u"]
     assert modelled_line(p.stdout, "u").startswith("simulated in virtual time")
     reqs = [json.loads(x) for x in open(os.path.join(out, "requests.jsonl"))]
-    assert len(reqs) == 2 * 2 * 20 and all(x["ok"] for x in reqs)
+    measured = [x for x in reqs if not x.get("warmup")]
+    assert len(measured) == 2 * 2 * 20 and all(x["ok"] for x in reqs)
+    assert len(reqs) - len(measured) == 2 * 2 * 2  # each rate's warm-up (the default 2), kept as a run keeps it
     real = {k: v for k, v in raw.items()}
     real["model"] = {"preset": "tiny-llama"}
     (tmp_path / "real.yaml").write_text(yaml.safe_dump(real))
@@ -222,3 +224,31 @@ def test_goodput_per_device_counts_the_modelled_devices_not_the_stand_ins():
     assert count_devices(Deployment.from_raw({"unified": {"replicas": 2, "devices": ["cpu:0", "cpu:1"]}}, "d")) == 2
     assert count_devices(Deployment.from_raw({"unified": {"replicas": 2, "devices": ["cuda:0-3", "cuda:4-7"],
                                                           "tp": 4}}, "d")) == 8
+
+
+@pytest.mark.parametrize("warmup", [0, 2])
+def test_each_rate_warms_up_as_a_run_does(warmup):
+    """pdlab.harness resets the prefix cache before each rate, then serves the warm-up requests: with as many
+    warm-up requests as prefix groups, the measured requests find every prefix cached, the first one included.
+    The simulation does the same, and keeps the warm-up's records marked as a run's are."""
+    r = recipe({"u": UNIFIED}, rates=[1, 2], warmup=warmup,
+               engine={"block_size": 8, "kv_blocks": 256, "token_budget": 256, "max_running": 16,
+                       "prefix_caching": True},
+               workload={"requests": 6, "input_len": {"kind": "fixed", "value": 40},
+                         "output_len": {"kind": "fixed", "value": 4},
+                         "shared_prefix": {"groups": 2, "len": 24}})
+    res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
+    warm = [x for x in res.requests if x.get("warmup")]
+    assert len(warm) == 2 * warmup  # per rate
+    for rate in (1, 2):
+        measured = sorted((x for x in res.requests if x["rate"] == rate and not x.get("warmup")),
+                          key=lambda x: x["arrival"])
+        first_of_group = {}
+        for x in measured:
+            first_of_group.setdefault(tuple(x["prompt_ids"][:24]), x)
+        cached = [x["cached_tokens"] for x in first_of_group.values()]
+        assert len(cached) == 2
+        if warmup:
+            assert all(c >= 16 for c in cached), cached  # the prefix's whole blocks, from the warm-up
+        else:
+            assert cached == [0, 0], cached  # a cold cache each rate: the rate before left nothing

@@ -63,6 +63,14 @@ def unified_one(v: Variant) -> Variant:
                                                      "calibration"))
 
 
+def _point(out: SimResult, sim: Simulator, wl: Workload, rate: float, seed: int, repeat: int) -> list[dict]:
+    """One (rate, repeat) as pdlab.harness measures it: a cold prefix cache, the warm-up requests (records
+    kept, marked warm-up), then the measured ones, which find the warm-up's prefixes cached; their records."""
+    if wl.n_warmup:
+        out.add(sim.run(list(wl.warmup(seed)), rate, repeat, warmup=True))
+    return out.add(sim.run(list(wl.at(rate, seed)), rate, repeat, cold=not wl.n_warmup))
+
+
 def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: Any = None,
                     paces: Optional[dict[str, dict[str, WorkerPace]]] = None) -> SimResult:
     """Every variant of `recipe` (all modelled) through the simulator, as `pdlab run` would run it. `paces`:
@@ -83,9 +91,9 @@ def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: An
         for repeat, seed in enumerate(v.seeds()):
             if not v.auto:
                 for rate in v.rates:
-                    out.add(sim.run(list(wl.at(rate, seed)), rate, repeat))
+                    _point(out, sim, wl, rate, seed, repeat)
                 continue
-            sat = out.add(sim.run(list(wl.at(math.inf, seed)), math.inf, repeat))
+            sat = _point(out, sim, wl, math.inf, seed, repeat)
             ok = [r for r in sat if r["ok"]]
             span = max(r["token_times"][-1] for r in ok) - min(r["arrival"] for r in sat) if ok else 0.0
             if span <= 0:
@@ -94,7 +102,7 @@ def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: An
                             start_fraction=v.search.start)
             floors[(name, repeat)] = rs.floor
             while (rate := rs.next_rate()) is not None:
-                recs = out.add(sim.run(list(wl.at(rate, seed)), rate, repeat))
+                recs = _point(out, sim, wl, rate, seed, repeat)
                 rs.record(rate, sum(r["slo_ok"] for r in recs) / len(recs) if recs else 0.0)
         if progress is not None:
             progress(name)

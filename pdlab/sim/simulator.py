@@ -148,12 +148,16 @@ class Simulator:
     def _transfer_s(self, nbytes: int) -> float:
         return 0.0 if self.xfer is None else self.xfer.transfer_s(nbytes)
 
-    def run(self, reqs: list[WorkloadRequest], rate: float, repeat: int = 0,
-            warmup: bool = False) -> tuple[list[dict], list[dict], list[dict]]:
+    def run(self, reqs: list[WorkloadRequest], rate: float, repeat: int = 0, warmup: bool = False,
+            cold: bool = True) -> tuple[list[dict], list[dict], list[dict]]:
+        """`reqs` at `rate` from a second after every worker is free. `cold`: each worker's prefix cache is
+        reset first, as a run resets it before each rate; False after the rate's warm-up, whose prefixes a real
+        run's measured requests find cached."""
         for w in self.workers.values():
             if w.paced is not None:
                 w.paced.start(rate, repeat)
-            w.engine.reset_prefix_cache()
+            if cold:
+                w.engine.reset_prefix_cache()
             t = max(w.free_at, w.clock.t)
             w.clock.advance_to(t)
             w.free_at = t

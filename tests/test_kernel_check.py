@@ -192,3 +192,16 @@ def test_compare_says_which_kernels_each_variant_ran(tmp_path):
     lines = [x.text for x in header(compare([load_run(path)]))]
     want = "CPU kernels of unified, pd: 4 of 5 CPU kernels; torch for prefill_attention (slower here: 1 vs 2 ms)"
     assert want in lines, lines
+
+
+def test_torch_capped_at_another_isa_races_anew(monkeypatch, tmp_path):
+    """The verdicts' file is per torch side too: with torch's kernels capped at another ISA (ATEN_CPU_CAPABILITY)
+    the race is run again instead of reading the uncapped verdict."""
+    k = cpu_kernel.Kernels.__new__(cpu_kernel.Kernels)
+    k.paths = {"decode_attention": "/x/decode_attention-abc.so"}
+    first = kernel_check._check_file(k)
+    real = torch.backends.cpu.get_cpu_capability()
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: f"{real}-capped")
+    assert kernel_check._check_file(k) != first
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: real)
+    assert kernel_check._check_file(k) == first  # the same torch side: the same file

@@ -171,7 +171,11 @@ def cache_key(s: Shape, threads: int) -> str:
 
 
 def _check_file(k: cpu_kernel.Kernels) -> str:
-    build = hashlib.sha256(" ".join(sorted(os.path.basename(p) for p in k.paths.values())).encode()).hexdigest()
+    """One verdict file per build of the kernels and per torch side: its version and the ISA its CPU kernels
+    dispatch to (ATEN_CPU_CAPABILITY caps it: torch at AVX2 on an AVX-512 box races anew)."""
+    kernels = " ".join(sorted(os.path.basename(p) for p in k.paths.values()))
+    build = hashlib.sha256(f"{kernels} {torch.__version__} {torch.backends.cpu.get_cpu_capability()}".encode()
+                           ).hexdigest()
     return os.path.join(cache_dir(), f"check-{build[:16]}.json")
 
 

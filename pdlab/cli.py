@@ -195,7 +195,8 @@ def profile(
                                            help="With --check: the profile to check (default: the one the run's "
                                                 "recipe names)"),
     write_host: bool = typer.Option(False, "--write-host",
-                                    help="With --check and --profile FILE: write the run's host time into it"),
+                                    help="With --check and --profile FILE: write the run's host time and "
+                                         "contention into it"),
     replay: bool = typer.Option(False, "--replay",
                                 help="With --check: also simulate the run with the profile at the run's own pace "
                                      "(its steps' measured / predicted time) and set its TTFT, ITL, attainment "

@@ -117,6 +117,9 @@ SERVE_SHUTDOWN_TIMEOUT_S = 60.0  # pdlab serve: SIGTERM lets requests in flight 
 
 # ---- timing profiles (pdlab.timing): when a profile's step model is said not to fit ----
 PROFILE_CHECK_MAPE_PCT = 15.0  # pdlab profile --check / a run's last line: a kind of step predicted worse than this
+# a step that starts this long after its worker's last one ended is a cold step (pdlab.timing.contention): its
+# weights and KV were evicted by the other workers' steps, or its core slept, while it waited
+COLD_AFTER_MS = 20.0
 PACE_DRIFT = 0.1  # a run's pace this far from its profile's (pdlab.timing.pace) is named in profile-check warnings
 PROFILE_MIN_R2 = 0.9  # pdlab profile: held-out R^2 (overall or of a kind) below this
 PROFILE_MAX_P90_PCT = 25.0  # pdlab profile: held-out p90 percentage error above this

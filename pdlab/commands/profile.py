@@ -218,16 +218,19 @@ def _write_host(checks: dict, given: object, path: Optional[str]) -> int:
 
     if given is None or path is None:
         return _err("--write-host needs --profile FILE: the profile to write the run's host time into")
-    est = next((c["host"] for c in checks.values() if not c["modelled"] and c["host"].get("gap_ms") is not None),
-               None)
-    if est is None:
+    check = next((c for c in checks.values() if not c["modelled"] and c["host"].get("gap_ms") is not None), None)
+    if check is None:
         return _err("--write-host: no variant of this run ran its model and measured host time")
+    est, contention = check["host"], check.get("contention")
     file = profile_path(path)
     with open(file) as f:
         text = f.read()
     raw = yaml.safe_load(text)
     raw["host"] = {**(raw.get("host") or {}), **host_raw(est)}
+    if contention:  # pdlab.timing.contention: what the run's workers cost each other and after idling
+        raw["contention"] = {**(raw.get("contention") or {}), **contention}
     head = "".join(ln[2:] + "\n" for ln in text.splitlines() if ln.startswith("# "))
     write_profile(file, raw, head)
-    print(f"wrote the run's host time into {file}: {raw['host']}")
+    print(f"wrote the run's host time into {file}: {raw['host']}"
+          + (f"; its contention: {raw['contention']}" if contention else ""))
     return 0

@@ -106,6 +106,34 @@ class HostTiming(Section):
                                "the router this far apart, as a burst does)", _ms)
 
 
+def _factor(v: Any) -> float:
+    v = to_float(0.0)(v)
+    if not math.isfinite(v):
+        raise ValueError
+    return v
+
+
+@dataclass(frozen=True)
+class ContentionTiming(Section):
+    """What a worker's step costs beyond the step model on a host it shares with the deployment's other
+    workers (pdlab.timing.contention): the profile's steps were measured alone and back to back, a run's are
+    not. A step with prefill tokens takes `prefill_x` times its model while every other worker steps too
+    (`decode_x` a decode-only step; linear in the share of the others stepping), and a step that starts
+    constants.COLD_AFTER_MS or more after its worker's last one takes `cold_ms` more (its caches went cold)."""
+
+    prefill_x: float = spec(1.0, "a number > 0 (a step with prefill tokens, all other workers stepping: x its "
+                                 "model)", _factor)
+    decode_x: float = spec(1.0, "a number > 0 (a decode-only step, all other workers stepping: x its model)",
+                           _factor)
+    cold_ms: float = spec(0.0, f"{MS} (added to a step that starts after its worker idled)", _ms)
+
+    def step_s(self, model_s: float, has_prefill: bool, others_busy: float, cold: bool) -> float:
+        """A step's time from its model's, the share of the other workers stepping at its start and whether
+        its worker idled before it."""
+        x = self.prefill_x if has_prefill else self.decode_x
+        return model_s * (1.0 + (x - 1.0) * others_busy) + (self.cold_ms / 1000.0 if cold else 0.0)
+
+
 @dataclass(frozen=True)
 class TransferTiming(Section):
     gbps: float = spec(expected="a number > 0 (GB/s, 1e9 bytes)", conv=to_float(0.0))
@@ -152,6 +180,8 @@ class TimingProfile(Section):
     transfer: tuple[tuple[str, TransferTiming], ...] = spec((), parse=_transfers)
     host: HostTiming = spec(HostTiming(), "a worker's host time (gap_ms, hop_ms, handoff_ms, send_ms)",
                             parse=section(HostTiming))
+    contention: ContentionTiming = spec(ContentionTiming(), "a shared host's cost beyond the step model "
+                                        "(prefill_x, decode_x, cold_ms)", parse=section(ContentionTiming))
     # kernel -> {use, why, kernel_ms, torch_ms}: the CPU kernels the measured steps ran (pdlab.engine.kernel_check)
     kernels: Optional[dict] = spec(None, "a mapping kernel -> its choice (which CPU kernels the steps ran)",
                                    lambda v: _mapping(v))
@@ -169,9 +199,11 @@ class TimingProfile(Section):
 
     def scaled(self, factor: float) -> "TimingProfile":
         """This profile with every step term times `factor` (knee_tokens, a count, kept; host and transfers
-        kept), renamed '<name> x<factor>': what-ifs of slower or faster steps."""
+        kept; a cold step's extra time scaled too), renamed '<name> x<factor>': what-ifs of slower or faster
+        steps."""
         terms = {k: getattr(self.step, k) * factor for k in self.step.keys() if k != "knee_tokens"}
-        return self.replace(step=self.step.replace(**terms), name=f"{self.name} x{factor:.3g}")
+        return self.replace(step=self.step.replace(**terms), name=f"{self.name} x{factor:.3g}",
+                            contention=self.contention.replace(cold_ms=self.contention.cold_ms * factor))
 
     def transfer_of(self, transport: str) -> Optional[TransferTiming]:
         return dict(self.transfer).get(transport)

@@ -25,6 +25,12 @@ workers spread out, as a run's does); a hand-over reaches the decode side `hando
 messages between steps; push: the decode worker admits the request that long after the KV landed). So
 simulated TTFT and ITL carry the time a run's do around its steps. Tokens are stamped at step ends.
 
+Contention (the profile's `contention`, pdlab.timing.contention): a step takes prefill_x (decode_x for a
+decode-only step) times its model when every other worker steps beside it throughout (linear in the share of
+its modelled time they do: one with work steps throughout, one without until its step in progress ends), and
+cold_ms more when its worker's last step ended constants.COLD_AFTER_MS
+or more before it (its first step included: a run's workers wait for their first request).
+
 A worker's pace (pdlab.sim.pace.WorkerPace, given per worker: a run replayed at its own pace) scales its
 steps by its factor at the rate being simulated, and draws its gaps from the quantiles it carries.
 
@@ -41,6 +47,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from pdlab.constants import COLD_AFTER_MS
 from pdlab.engine import Engine, SamplingParams
 from pdlab.engine.model import load_stand_in
 from pdlab.kv.copy import copy_blocks
@@ -65,14 +72,41 @@ class VirtualClock:
         return self.t
 
 
+class _Contended:
+    """A worker's step model on a host it shares (the profile's ContentionTiming). Before each of its steps the
+    simulator sets `start`, `cold` and `others`: for each other worker, whether it has work (it steps through
+    this step, back to back) and when its step in progress ends (None: none); the share of the others
+    stepping is read over the step's modelled time."""
+
+    def __init__(self, inner: Any, contention: Any):
+        self.inner, self.contention = inner, contention
+        self.start, self.cold, self.others = 0.0, False, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def share(self, step_s: float) -> float:
+        """The share of the other workers stepping over [start, start + step_s]."""
+        if not self.others:
+            return 0.0
+        return sum(1.0 if work else 0.0 if end is None else min(max(end - self.start, 0.0) / max(step_s, 1e-12), 1.0)
+                   for work, end in self.others) / len(self.others)
+
+    def step_s(self, *counts: int) -> float:
+        s = self.inner.step_s(*counts)
+        return self.contention.step_s(s, counts[0] > 0, self.share(s), self.cold)
+
+
 @dataclass
 class _Worker:
     name: str
     role: str
     engine: Engine
     clock: VirtualClock
+    timing: _Contended
     paced: Optional[PacedTiming] = None  # its pace, where given
     free_at: float = 0.0
+    step_end: Optional[float] = None  # when its last step ended (None: none yet)
     holds: set = field(default_factory=set)
 
 
@@ -121,8 +155,9 @@ class Simulator:
             clock = VirtualClock()
             pace = (paces or {}).get(w.name)
             paced = PacedTiming(self.timing, pace, w.name) if pace is not None else None
-            eng = Engine(stand_in, variant.engine, role=w.role, step_timing=paced or self.timing, clock=clock)
-            self.workers[w.name] = _Worker(w.name, w.role, eng, clock, paced)
+            timing = _Contended(paced or self.timing, self.timing.contention)
+            eng = Engine(stand_in, variant.engine, role=w.role, step_timing=timing, clock=clock)
+            self.workers[w.name] = _Worker(w.name, w.role, eng, clock, timing, paced)
         self.layers = next(iter(self.workers.values())).engine.dims["layers"]
 
     def _of(self, role: str) -> list[_Worker]:
@@ -301,10 +336,15 @@ class Simulator:
     def _step(self, w: _Worker, start: float) -> bool:
         """One engine step of `w` starting at `start`; False when it could schedule nothing."""
         w.clock.advance_to(start)
+        # a worker with work steps beside this step throughout (back to back, with gaps of a fraction of a
+        # millisecond); one without, until its step in progress ends
+        w.timing.start = start
+        w.timing.others = [(o.engine.has_work(), o.step_end) for o in self.workers.values() if o is not w]
+        w.timing.cold = w.step_end is None or start - w.step_end >= COLD_AFTER_MS / 1e3
         out = w.engine.step()
         if out.record is None and not out.tokens:
             return False
-        end = w.clock.t
+        end = w.step_end = w.clock.t
         # the worker's own time before its next step
         w.free_at = end + (w.paced.gap_s(self.gap_s) if w.paced is not None else self.gap_s)
         if out.record is not None:

@@ -14,6 +14,7 @@ from pdlab.constants import PROFILE_MAX_P90_PCT, PROFILE_MIN_R2
 BUSY_SHARE = 0.9  # a measuring process with less of its core than this: the box was busy
 from pdlab.engine.timed import StepCounts
 from pdlab.timing import fit as F
+from pdlab.timing.contention import contention_raw, describe, estimate
 from pdlab.timing.host import host_raw
 from pdlab.timing.write import profile_raw
 
@@ -83,15 +84,21 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
         "transfer": {k: {"bytes": t["bytes"], "ms": t["ms"], "baseline_gbps": t["baseline_gbps"], "note": t["note"]}
                      for k, t in transfers.items()},
     }
+    contention = None
     if host is not None:
         fit["host"] = {"requests": host.get("requests"), "samples": host.get("samples"),
-                       "how": "a 1P1D pull deployment of the model serving requests one at a time "
-                              "(pdlab.timing.host_probe)"}
+                       "how": "a 1P1D pull deployment of the model serving requests one at a time, in a burst and "
+                              "staggered (pdlab.timing.host_probe)"}
+        if host.get("steps"):
+            est = estimate(coef, host["steps"])
+            contention = contention_raw(est)
+            fit["contention"] = {"samples": est["samples"], "how": "the host probe's steps against the fitted step "
+                                                                   "model (pdlab.timing.contention)"}
     raw = profile_raw(name=name, source="measured", device=res["device"], date=datetime.date.today().isoformat(),
                       model=model, step=coef, kv_bytes_per_token=res["kv_bytes_per_token"],
                       kv_memory_gb=res["kv_memory_gb"], transfer=usable, fit=fit,
                       device_kind="cuda" if cuda else "cpu", host=host_raw(host) if host else None,
-                      kernels=res["kernels"] or None, pace_ms=_mean(res.get("pace_ms")))
+                      kernels=res["kernels"] or None, pace_ms=_mean(res.get("pace_ms")), contention=contention)
     report = [f"measured {len(ss)} steps in {res['measured_s']:.1f} s ({len(train)} to fit, {len(test)} held out)",
               format_step(coef), format_errors("held-out error", held)]
     report += [format_errors(f"  {k}", kinds[k]) for k in F.KINDS]
@@ -114,6 +121,9 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     if host is not None:
         report.append("host time: " + ", ".join(f"{k} {v:.3g} ms" for k, v in host_raw(host).items()) +
                       f" (samples: {host['samples']})")
+    if contention is not None:
+        report.append(f"contention (the probe's workers stepping together and after idling): {describe(contention)}"
+                      f" (samples: {fit['contention']['samples']})")
     report += [f"warning: {w}" for w in warnings]
     return raw, report
 

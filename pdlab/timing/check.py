@@ -85,12 +85,15 @@ def profile_for(name: str, variants: dict[str, Any]) -> Optional[tuple[Any, str]
 def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
               profile: Optional[Any] = None, kernels: Optional[dict[str, dict]] = None,
               paces: Optional[dict[str, dict]] = None) -> dict:
-    """variant -> {profile, by, modelled, steps, overall, kinds, host, profile_host, kernels, pace} for every
+    """variant -> {profile, by, modelled, steps, overall, kinds, host, profile_host, contention,
+    profile_contention, kernels, pace} for every
     variant with a profile to check (`profile` given: that one for every variant) and steps to check it on.
     `kernels`: variant -> worker -> the CPU kernels it ran (env.json's cpu_kernels); `kernels` in the result is
     a warning when they are not the profile's (pdlab.timing.provenance), else None. `paces`: variant -> worker
     -> the box's pace at its start (env.json's worker_pace_ms); `pace` in the result is the median of its
-    workers' over the profile's (pdlab.timing.pace.ratio), None where either is missing."""
+    workers' over the profile's (pdlab.timing.pace.ratio), None where either is missing. `contention`: the
+    run's own (pdlab.timing.contention; None for timed workers, which wait the model out)."""
+    from pdlab.timing.contention import contention_raw, estimate  # deferred: it reads steps with samples()
     from pdlab.timing.pace import ratio
     from pdlab.timing.provenance import worker_warning
 
@@ -107,6 +110,8 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
         host = host_times(mine, [r for r in requests if r.get("variant") == name])
         out[name] = {"profile": p.name, "by": by, "modelled": v.model.modelled, **res, "host": host,
                      "profile_host": p.host.to_raw(),
+                     "contention": None if v.model.modelled else contention_raw(estimate(p.step.to_raw(), mine)),
+                     "profile_contention": p.contention.to_raw(),
                      "kernels": worker_warning(name, p, (kernels or {}).get(name) or {}),
                      "pace": None if v.model.modelled else ratio(list(((paces or {}).get(name) or {}).values()),
                                                                   p.pace_ms)}
@@ -130,8 +135,12 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         host = ", ".join(f"{k[:-3]} {_ms(h.get(k))} ({_ms(ph.get(k))})" for k in FIGURES if h.get(k) is not None)
         what = "timed steps" if c["modelled"] else "steps"
         pace = c.get("pace")
+        con = c.get("contention") or {}
+        contention = ", ".join(f"{k} {con[k]:.3g} ({c['profile_contention'].get(k, 0):.3g})"
+                               for k in ("prefill_x", "decode_x", "cold_ms") if con.get(k) is not None)
         out.append(f"{name}: {what} against profile {c['profile']} ({c['by']}): MAPE {kinds} [measured/predicted, "
                    f"steps]" + (f"; host ms {host} [run (profile)]" if host else "") +
+                   (f"; contention {contention} [run (profile)]" if contention else "") +
                    (f"; the box's pace x{pace:.2f} the profile's (a fixed computation timed at each worker's start)"
                     if pace is not None else ""))
         for k, e in c["kinds"].items():

@@ -6,7 +6,11 @@ Requests one at a time find both workers idle, so their arrival and hand-over ho
 each request's decode steps run back to back, so the gaps between them are too. Then a burst of BURST
 requests submitted together, as a run's harness submits requests that are due (all of them at rate inf): the
 router takes them one at a time, and their arrivals there, apart, give the send time. The burst's batched
-steps add to the gap samples too.
+steps add to the gap samples too. Last, CO_REQUESTS requests with longer outputs, each submitted once the
+decode worker has taken STAGGER_STEPS steps since the one before: each prefill runs beside the decoding of
+the requests before it, so both workers step together, as a run's do. Its steps, with the one-at-a-time
+ones (each worker alone), give the contention figures (pdlab.timing.contention), which need the step model:
+the probe returns its steps for `pdlab profile` to estimate them once the model is fitted.
 """
 
 from __future__ import annotations
@@ -20,6 +24,9 @@ REQUESTS = 8
 BURST = 8  # requests submitted together after them
 PROMPTS = (64, 256)  # prompt lengths drawn uniformly from this range
 OUTPUT = 16
+CO_REQUESTS = 12  # staggered, so that prefills run beside decodes
+CO_OUTPUT = 48
+STAGGER_STEPS = 4  # decode steps between one staggered submission and the next
 IDLE_S = 0.05  # between one request's end and the next one's submission: both workers idle again
 TIMEOUT_S = 120.0  # the whole probe, after the workers are up
 
@@ -34,7 +41,8 @@ def _model_spec(model: str, dtype: str) -> Any:
 def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
                say: Optional[Callable[[str], None]] = None) -> dict:
     """Host time of the profiled model's workers on `cores` (prefill on the first, decode on the last; one
-    core: both on it), by pdlab.timing.host.host_times; plus `requests`, the requests served."""
+    core: both on it), by pdlab.timing.host.host_times; plus `requests`, the requests served, and `steps`,
+    their step records (for pdlab.timing.contention)."""
     from pdlab.engine.config import EngineConfig
     from pdlab.engine.model import model_config
     from pdlab.recipe.deployment import Deployment
@@ -54,28 +62,41 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         cluster.start()
         if say:
             say(f"host time: a 1P1D pull deployment on cpu:{cores[0]} and cpu:{cores[-1]}, {REQUESTS} requests "
-                f"one at a time, then {BURST} together")
+                f"one at a time, then {BURST} together, then {CO_REQUESTS} staggered")
         vocab = model_config(spec).vocab_size
         deadline = time.monotonic() + TIMEOUT_S
 
-        def serve(ids: list[str]) -> None:
-            """Submit `ids` together, then read events until all are done (and both workers idle again)."""
-            prompts = [rng.integers(3, vocab, size=int(rng.integers(*PROMPTS))).tolist() for _ in ids]
-            arrival = time.monotonic()  # made before: a burst's spacing is the router's alone, as a harness's is
-            for rid, prompt in zip(ids, prompts):
-                cluster.submit(rid, prompt, {"max_tokens": OUTPUT, "ignore_eos": True})
-            left = set(ids)
+        def serve(ids: list[str], output: int = OUTPUT, stagger: bool = False) -> None:
+            """Submit `ids` together (stagger: one each STAGGER_STEPS decode steps), then read events until all
+            are done (and both workers idle again)."""
+            queue = [(rid, rng.integers(3, vocab, size=int(rng.integers(*PROMPTS))).tolist()) for rid in ids]
+            arrivals: dict[str, float] = {}
+
+            def submit(n: int) -> None:
+                now = time.monotonic()  # made before: a burst's spacing is the router's alone, as a harness's is
+                for rid, prompt in queue[:n]:
+                    arrivals[rid] = now
+                    cluster.submit(rid, prompt, {"max_tokens": output, "ignore_eos": True})
+                del queue[:n]
+
+            submit(1 if stagger else len(queue))
+            left, decoded = set(ids), 0
             while left:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the host-time probe did not finish within {TIMEOUT_S:.0f} s")
                 for e in cluster.poll(0.2):
                     if isinstance(e, StepEvent):
                         steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
+                        if stagger and queue and e.role == "decode" and e.record.get("decode_seqs"):
+                            decoded += 1
+                            if decoded >= STAGGER_STEPS:
+                                submit(1)
+                                decoded = 0
                     elif isinstance(e, RequestDone) and e.req_id in left:
                         if not e.ok:
                             raise RuntimeError(f"the host-time probe's request {e.req_id} failed: {e.error}")
                         left.discard(e.req_id)
-                        requests.append({**tag, "id": e.req_id, "arrival": arrival, "ok": True,
+                        requests.append({**tag, "id": e.req_id, "arrival": arrivals[e.req_id], "ok": True,
                                          "phases": dict(e.phases), "prefill_worker": e.prefill_worker,
                                          "decode_worker": e.decode_worker})
             for e in cluster.poll(IDLE_S):  # the last step records, then both workers idle
@@ -85,4 +106,5 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         for i in range(REQUESTS):
             serve([f"h{i}"])
         serve([f"b{i}" for i in range(BURST)])
-    return {**host_times(steps, requests), "requests": len(requests)}
+        serve([f"c{i}" for i in range(CO_REQUESTS)], CO_OUTPUT, stagger=True)
+    return {**host_times(steps, requests), "requests": len(requests), "steps": steps}

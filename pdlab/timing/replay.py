@@ -26,8 +26,7 @@ import numpy as np
 
 from pdlab.recipe.timing import TimingProfile
 from pdlab.sim.pace import WorkerPace, quantiles
-from pdlab.timing.check import busy_ratio, samples
-from pdlab.timing.fit import predict
+from pdlab.timing.contention import predicted_ms
 from pdlab.timing.host import FIGURES, gaps
 from pdlab.workload import rate_tag
 
@@ -45,27 +44,32 @@ class ReplayError(ValueError):
 def worker_paces(profile: TimingProfile, steps: list[dict], workers: Sequence[str] = ()) -> dict[str, WorkerPace]:
     """worker -> its pace in `steps` (one variant's step records; warm-up left out, as the figures leave its
     requests out) against `profile`: its steps' measured time over their predicted time (in all, and per rate
-    and repeat), and the quantiles of its gaps between back-to-back steps. A worker of `workers` that took no
-    step (an idle replica) steps at the pace of all the others' steps together, not at the profile's."""
-    coef = profile.step.to_raw()
+    and repeat), and the quantiles of its gaps between back-to-back steps. Predicted as the simulator steps
+    them: the step model with the profile's contention in each step's own context in the run (the others
+    stepping, the worker idle before it; pdlab.timing.contention), so the pace is what contention leaves
+    unexplained. A worker of `workers` that took no step (an idle replica) steps at the pace of all the others'
+    steps together, not at the profile's."""
     steps = [s for s in steps if not s.get("warmup")]
+    timed = [(s, p) for s, p in zip(steps, predicted_ms(profile, steps)) if p is not None]
 
-    def factor(mine: list[dict]) -> Optional[float]:
-        ss = samples(mine)
-        return busy_ratio(ss, predict(coef, ss)) if ss else None
+    def factor(rows: list[tuple[dict, float]]) -> Optional[float]:
+        if not rows:
+            return None
+        return sum((s["end"] - s["start"]) * 1e3 for s, _ in rows) / max(sum(p for _, p in rows), 1e-9)
 
     out = {}
     for w in sorted({s.get("worker") for s in steps if s.get("worker")}):
-        mine = [s for s in steps if s.get("worker") == w]
-        total = factor(mine)
+        rows = [(s, p) for s, p in timed if s.get("worker") == w]
+        total = factor(rows)
         if total is None:
             continue
-        runs = sorted({(rate_tag(float(s["rate"])), int(s.get("repeat") or 0)) for s in mine})
+        runs = sorted({(rate_tag(float(s["rate"])), int(s.get("repeat") or 0)) for s, _ in rows})
         by_run = tuple((t, r, f) for t, r in runs
-                       if (f := factor([s for s in mine if rate_tag(float(s["rate"])) == t
+                       if (f := factor([(s, p) for s, p in rows if rate_tag(float(s["rate"])) == t
                                         and int(s.get("repeat") or 0) == r])) is not None)
+        mine = [s for s in steps if s.get("worker") == w]
         out[w] = WorkerPace(total, quantiles([g * 1000.0 for g in gaps(mine)]), by_run)
-    pooled = factor(steps) if out else None
+    pooled = factor(timed) if out else None
     for w in workers:
         if w not in out and pooled is not None:
             out[w] = WorkerPace(pooled)

@@ -34,7 +34,8 @@ def sig(x: Any, digits: int = 4) -> Any:
 def profile_raw(*, name: str, source: str, device: str, date: str, model: str, step: dict[str, float],
                 kv_bytes_per_token: int, kv_memory_gb: Optional[float], transfer: dict[str, dict],
                 fit: Optional[dict] = None, device_kind: str = "", host: Optional[dict] = None,
-                kernels: Optional[dict] = None, pace_ms: Optional[float] = None) -> dict:
+                kernels: Optional[dict] = None, pace_ms: Optional[float] = None,
+                contention: Optional[dict] = None) -> dict:
     """The profile's plain form, in the order a reader wants it (TimingProfile's keys, and the format mark)."""
     raw: dict[str, Any] = {"pdlab_timing_profile": FORMAT_VERSION, "name": name, "source": source,
                            "device": device}
@@ -48,6 +49,8 @@ def profile_raw(*, name: str, source: str, device: str, date: str, model: str, s
                        for k, t in transfer.items()}
     if host:
         raw["host"] = {k: sig(float(v)) for k, v in host.items()}
+    if contention:
+        raw["contention"] = {k: sig(float(v)) for k, v in contention.items()}
     if kernels:
         raw["kernels"] = sig(kernels)
     if pace_ms:

@@ -1,0 +1,150 @@
+"""Contention: what a worker's steps cost beyond the step model on a host it shares with other workers, read
+from steps recorded together (a run's, or `pdlab profile`'s host probe's).
+
+The profile's steps are measured in one process, alone on the box and back to back. A deployment's workers are
+neither: on a CPU box they share the last-level cache and the memory bandwidth, so a step runs slower while
+the others step (co-running), and a worker that waited for work finds its weights and KV evicted, or its core
+asleep, and its next step runs slower (a cold step). On this project's 2-core boxes both showed in runs held
+against a fresh profile: prefill steps x1.07-1.16 beside a stepping neighbour, decode steps x1.02-1.06, and a
+step after 50 ms idle +1.5-2.8 ms (BENCHMARKS.md, issue 25). They are a host's figures, like the host time
+(pdlab.timing.host): measured where the workers run, not assumed; on a box where workers do not share (GPUs
+on their own memory) they come out at x1 and 0 ms.
+
+Each step's context (`context`): the share of the other workers of its (variant, rate, repeat) stepping during
+it, and the time since its worker's previous step ended (None for a worker's first step). `estimate` reads
+the profile's ContentionTiming from steps and the step model that predicts them:
+
+- cold_ms: the median of measured - predicted over cold steps with no other worker stepping (the step model
+  was fitted on warm ones: what is left over is the cold cost);
+- prefill_x, decode_x: the median of measured / predicted over steps of that kind while the other workers
+  stepped (TOGETHER or more of the step's time; a cold step's cold_ms taken off first), over the same for warm
+  steps with none stepping (with fewer of those than MIN_SAMPLES, over 1: the model's own steps were warm and
+  alone); the excess is divided by the mean share the steps were together, so x is for all others stepping.
+
+A figure with fewer than MIN_SAMPLES steps behind it is not estimated (None).
+"""
+
+from __future__ import annotations
+
+import bisect
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Optional
+
+from pdlab.constants import COLD_AFTER_MS
+from pdlab.timing.check import samples
+from pdlab.timing.fit import predict
+
+MIN_SAMPLES = 5
+# shares of the others stepping (time-weighted) that count as alone and as stepping together: a worker stepping
+# back to back covers ~90-95% of the time (its gaps between steps), so together starts below that
+ALONE, TOGETHER = 0.1, 0.75
+
+
+@dataclass(frozen=True)
+class StepContext:
+    others_busy: float  # the share of the other workers stepping during the step, time-weighted (0 with none)
+    idle_ms: Optional[float]  # since the worker's previous step ended; None: its first step
+
+    @property
+    def cold(self) -> bool:
+        return self.idle_ms is None or self.idle_ms >= COLD_AFTER_MS
+
+
+def _group(s: dict) -> tuple:
+    return s.get("variant"), s.get("rate"), s.get("repeat", 0), bool(s.get("warmup"))
+
+
+def context(steps: list[dict]) -> list[StepContext]:
+    """Each step's context, in the order given (steps grouped by variant, rate, repeat and warm-up; a
+    worker's steps follow each other by start time)."""
+    groups: dict[tuple, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for i, s in enumerate(steps):
+        groups[_group(s)][s.get("worker")].append(i)
+    out: list[Optional[StepContext]] = [None] * len(steps)
+    for workers in groups.values():
+        spans = {w: _Spans(sorted((steps[i]["start"], steps[i]["end"]) for i in idx)) for w, idx in workers.items()}
+        for w, idx in workers.items():
+            others = [spans[o] for o in spans if o != w]
+            prev_end = None
+            for i in sorted(idx, key=lambda i: steps[i]["start"]):
+                a, b = steps[i]["start"], steps[i]["end"]
+                busy = sum(sp.overlap(a, b) for sp in others) / (max(b - a, 1e-9) * len(others)) if others else 0.0
+                idle = None if prev_end is None else max(0.0, a - prev_end) * 1e3
+                out[i] = StepContext(min(busy, 1.0), idle)
+                prev_end = b
+    return out  # type: ignore[return-value]
+
+
+class _Spans:
+    """One worker's steps, (start, end) sorted and disjoint: how much of [a, b) they cover."""
+
+    def __init__(self, spans: list[tuple[float, float]]):
+        self.spans = spans
+        self.ends = [e for _, e in spans]
+
+    def overlap(self, a: float, b: float) -> float:
+        total, i = 0.0, bisect.bisect_right(self.ends, a)
+        while i < len(self.spans) and self.spans[i][0] < b:
+            s, e = self.spans[i]
+            total += max(0.0, min(b, e) - max(a, s))
+            i += 1
+        return total
+
+
+def estimate(coef: dict, steps: list[dict]) -> dict:
+    """{prefill_x, decode_x, cold_ms} (None where not estimated) and {samples}: from `steps` (records with step
+    counts) against the step model `coef` (StepTiming.to_raw())."""
+    ctx = context(steps)
+    rows = []  # (has prefill, measured ms, predicted ms, context)
+    for s, c in zip(steps, ctx):
+        ss = samples([s])
+        if ss:
+            rows.append((s.get("prefill_tokens", 0) > 0, ss[0].ms, float(predict(coef, ss)[0]), c))
+    cold = [m - p for _, m, p, c in rows if c.cold and c.others_busy <= ALONE]
+    cold_ms = statistics.median(cold) if len(cold) >= MIN_SAMPLES else None
+    off = max(cold_ms or 0.0, 0.0)
+    out: dict = {"cold_ms": None if cold_ms is None else max(cold_ms, 0.0), "samples": {"cold": len(cold)}}
+    for kind, prefill in (("prefill", True), ("decode", False)):
+        mine = [((m - (off if c.cold else 0.0)) / max(p, 1e-9), c.others_busy) for pf, m, p, c in rows
+                if pf == prefill and c.others_busy >= TOGETHER]
+        alone = [m / max(p, 1e-9) for pf, m, p, c in rows if pf == prefill and not c.cold and c.others_busy <= ALONE]
+        base = statistics.median(alone) if len(alone) >= MIN_SAMPLES else 1.0
+        x = None
+        if len(mine) >= MIN_SAMPLES:  # the excess at the share these stepped beside, taken to all the others
+            share = statistics.mean(b for _, b in mine)
+            x = max(1.0 + (statistics.median(r for r, _ in mine) / base - 1.0) / share, 1e-3)
+        out[f"{kind}_x"] = x
+        out["samples"][kind] = {"together": len(mine), "alone": len(alone)}
+    return out
+
+
+def contention_raw(est: dict) -> dict:
+    """A profile's `contention` block from an estimate: the figures it has."""
+    return {k: round(est[k], 4) for k in ("prefill_x", "decode_x", "cold_ms") if est.get(k) is not None}
+
+
+def describe(raw: dict) -> str:
+    """'prefill x1.09, decode x1.03 beside stepping workers; a cold step +2.1 ms' from a contention block (the
+    figures it has; 'not estimated' for none)."""
+    beside = [f"{k[:-2]} x{raw[k]:.3g}" for k in ("prefill_x", "decode_x") if raw.get(k) is not None]
+    parts = ([", ".join(beside) + " beside stepping workers"] if beside else []) + (
+        [f"a cold step +{raw['cold_ms']:.3g} ms"] if raw.get("cold_ms") is not None else [])
+    return "; ".join(parts) or "not estimated (too few steps)"
+
+
+def predicted_ms(profile: object, steps: list[dict]) -> list[Optional[float]]:
+    """Each step's time as the simulator would model it in the step's own context: the step model, with the
+    profile's contention (None for a step that computed nothing)."""
+    coef = profile.step.to_raw()  # type: ignore[attr-defined]
+    con = profile.contention  # type: ignore[attr-defined]
+    out: list[Optional[float]] = []
+    for s, c in zip(steps, context(steps)):
+        ss = samples([s]) if not s.get("preempted") else []
+        if not ss:
+            out.append(None)
+            continue
+        ms = float(predict(coef, ss)[0])
+        out.append(1e3 * con.step_s(ms / 1e3, s.get("prefill_tokens", 0) > 0, c.others_busy, c.cold))
+    return out

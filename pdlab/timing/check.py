@@ -17,28 +17,10 @@ import statistics
 from typing import Any, Optional
 
 from pdlab.constants import PACE_DRIFT, PROFILE_CHECK_MAPE_PCT
-from pdlab.engine.timed import StepCounts
+from pdlab.timing.contention import contention_raw, estimate
 from pdlab.timing.fit import KINDS, StepSample, errors, predict
 from pdlab.timing.host import FIGURES, host_times
-
-COUNTS = tuple(StepCounts.__dataclass_fields__)
-
-
-class CheckError(ValueError):
-    """Records a profile cannot be checked against (one line)."""
-
-
-def samples(steps: list[dict]) -> list[StepSample]:
-    """The run's steps that computed something and preempted nothing, as StepSamples (ms: end - start)."""
-    out = []
-    for s in steps:
-        if s.get("preempted") or not (s.get("prefill_tokens") or s.get("decode_seqs")):
-            continue
-        if "context_tokens" not in s:
-            raise CheckError("steps.jsonl has no step counts beyond prefill tokens and decode sequences (a run "
-                             "recorded before pdlab wrote them): run it again to check a profile against it")
-        out.append(StepSample(StepCounts(**{k: int(s.get(k) or 0) for k in COUNTS}), (s["end"] - s["start"]) * 1e3))
-    return out
+from pdlab.timing.records import CheckError, samples  # noqa: F401 - CheckError: its callers catch it from here
 
 
 def check_steps(profile: Any, steps: list[dict]) -> dict:
@@ -93,7 +75,6 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
     -> the box's pace at its start (env.json's worker_pace_ms); `pace` in the result is the median of its
     workers' over the profile's (pdlab.timing.pace.ratio), None where either is missing. `contention`: the
     run's own (pdlab.timing.contention; None for timed workers, which wait the model out)."""
-    from pdlab.timing.contention import contention_raw, estimate  # deferred: it reads steps with samples()
     from pdlab.timing.pace import ratio
     from pdlab.timing.provenance import worker_warning
 

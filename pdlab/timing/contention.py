@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from pdlab.constants import COLD_AFTER_MS
-from pdlab.timing.check import samples
 from pdlab.timing.fit import predict
+from pdlab.timing.records import samples
 
 MIN_SAMPLES = 5
 # shares of the others stepping (time-weighted) that count as alone and as stepping together: a worker stepping

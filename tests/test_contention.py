@@ -80,7 +80,7 @@ def test_too_few_steps_leave_a_figure_out():
     few = [step("a", 0.0, 5, decode=1), step("a", 1.0, 5, decode=1)]
     est = estimate(StepTiming(**STEP).to_raw(), few)
     assert est["prefill_x"] is None and est["decode_x"] is None and est["cold_ms"] is None
-    assert contention_raw(est) == {} and describe({}) == "not estimated (too few steps)"
+    assert contention_raw(est) == {} and describe({}) == "none"
     assert describe({"prefill_x": 1.09, "cold_ms": 2.1}) == "prefill x1.09 beside stepping workers; a cold step +2.1 ms"
 
 

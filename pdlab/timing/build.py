@@ -91,9 +91,15 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                               "staggered (pdlab.timing.host_probe)"}
         if host.get("steps"):
             est = estimate(coef, host["steps"])
-            contention = contention_raw(est)
-            fit["contention"] = {"samples": est["samples"], "how": "the host probe's steps against the fitted step "
-                                                                   "model (pdlab.timing.contention)"}
+            probed = contention_raw(est)
+            # the probe's prompts are short (host_probe.PROMPTS): its steps beside a neighbour are not the run's
+            # mix, and their factor did not carry to longer prompts (x1.24 probed, x1.02-1.05 in runs of long and
+            # chunked prompts; BENCHMARKS.md, 2026-12-03); its cold steps did (2.0 ms probed, 0.5-2.4 in runs)
+            contention = {k: v for k, v in probed.items() if k == "cold_ms"} or None
+            fit["contention"] = {"samples": est["samples"], "probed": probed,
+                                 "how": "the host probe's steps against the fitted step model (pdlab.timing."
+                                        "contention); cold_ms kept, prefill_x and decode_x from a run's steps "
+                                        "(pdlab profile --check RUN --profile FILE --write-host)"}
     raw = profile_raw(name=name, source="measured", device=res["device"], date=datetime.date.today().isoformat(),
                       model=model, step=coef, kv_bytes_per_token=res["kv_bytes_per_token"],
                       kv_memory_gb=res["kv_memory_gb"], transfer=usable, fit=fit,
@@ -121,9 +127,11 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     if host is not None:
         report.append("host time: " + ", ".join(f"{k} {v:.3g} ms" for k, v in host_raw(host).items()) +
                       f" (samples: {host['samples']})")
-    if contention is not None:
-        report.append(f"contention (the probe's workers stepping together and after idling): {describe(contention)}"
-                      f" (samples: {fit['contention']['samples']})")
+    if fit.get("contention"):
+        report.append(f"contention (the probe's workers stepping together and after idling): "
+                      f"{describe(fit['contention']['probed'])} (samples: {fit['contention']['samples']}); kept: "
+                      f"{describe(contention or {})}, the factors beside stepping workers come from a run's steps "
+                      "(pdlab profile --check RUN --profile FILE --write-host)")
     report += [f"warning: {w}" for w in warnings]
     return raw, report
 

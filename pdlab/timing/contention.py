@@ -127,11 +127,11 @@ def contention_raw(est: dict) -> dict:
 
 def describe(raw: dict) -> str:
     """'prefill x1.09, decode x1.03 beside stepping workers; a cold step +2.1 ms' from a contention block (the
-    figures it has; 'not estimated' for none)."""
+    figures it has; 'none' without any)."""
     beside = [f"{k[:-2]} x{raw[k]:.3g}" for k in ("prefill_x", "decode_x") if raw.get(k) is not None]
     parts = ([", ".join(beside) + " beside stepping workers"] if beside else []) + (
         [f"a cold step +{raw['cold_ms']:.3g} ms"] if raw.get("cold_ms") is not None else [])
-    return "; ".join(parts) or "not estimated (too few steps)"
+    return "; ".join(parts) or "none"
 
 
 def predicted_ms(profile: object, steps: list[dict]) -> list[Optional[float]]:

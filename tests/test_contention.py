@@ -76,6 +76,15 @@ def test_the_estimate_reads_back_what_the_steps_took():
     assert quiet["cold_ms"] == pytest.approx(0.0, abs=0.05)
 
 
+def test_a_slower_box_is_not_counted_as_cold_time():
+    """Every step 1.5x longer, cold cost included: the cold cost reads 1.5 x 4 ms, the factors as they were."""
+    slow = [dict(s, end=s["start"] + (s["end"] - s["start"]) * 1.5) for s in synthetic(1.3, 1.1, 4.0)]
+    est = estimate(StepTiming(**STEP).to_raw(), slow)
+    assert est["cold_ms"] == pytest.approx(6.0, abs=0.1)
+    assert est["decode_x"] == pytest.approx(1.1, rel=0.05)
+    assert est["prefill_x"] == pytest.approx(1.3, rel=0.05)  # no warm prefill alone: against the warm decodes
+
+
 def test_too_few_steps_leave_a_figure_out():
     few = [step("a", 0.0, 5, decode=1), step("a", 1.0, 5, decode=1)]
     est = estimate(StepTiming(**STEP).to_raw(), few)

@@ -15,11 +15,13 @@ it, and the time since its worker's previous step ended (None for a worker's fir
 the profile's ContentionTiming from steps and the step model that predicts them:
 
 - cold_ms: the median of measured - predicted over cold steps with no other worker stepping (the step model
-  was fitted on warm ones: what is left over is the cold cost);
+  was fitted on warm ones: what is left over is the cold cost), predicted at the pace of the warm steps with
+  none stepping (a run on a box slower than its profile's does not count its slowness as cold time);
 - prefill_x, decode_x: the median of measured / predicted over steps of that kind while the other workers
   stepped (TOGETHER or more of the step's time; a cold step's cold_ms taken off first), over the same for warm
-  steps with none stepping (with fewer of those than MIN_SAMPLES, over 1: the model's own steps were warm and
-  alone); the excess is divided by the mean share the steps were together, so x is for all others stepping.
+  steps with none stepping (with fewer of those than MIN_SAMPLES, over the warm alone steps of any kind:
+  the model's own steps were warm and alone, so on the profile's box that is about 1); the excess is divided
+  by the mean share the steps were together, so x is for all others stepping.
 
 A figure with fewer than MIN_SAMPLES steps behind it is not estimated (None).
 """
@@ -102,7 +104,9 @@ def estimate(coef: dict, steps: list[dict]) -> dict:
         ss = samples([s])
         if ss:
             rows.append((s.get("prefill_tokens", 0) > 0, ss[0].ms, float(predict(coef, ss)[0]), c))
-    cold = [m - p for _, m, p, c in rows if c.cold and c.others_busy <= ALONE]
+    warm = [m / max(p, 1e-9) for _, m, p, c in rows if not c.cold and c.others_busy <= ALONE]
+    pace = statistics.median(warm) if len(warm) >= MIN_SAMPLES else 1.0  # a run on a slower box: not cold time
+    cold = [m - p * pace for _, m, p, c in rows if c.cold and c.others_busy <= ALONE]
     cold_ms = statistics.median(cold) if len(cold) >= MIN_SAMPLES else None
     off = max(cold_ms or 0.0, 0.0)
     out: dict = {"cold_ms": None if cold_ms is None else max(cold_ms, 0.0), "samples": {"cold": len(cold)}}
@@ -110,7 +114,7 @@ def estimate(coef: dict, steps: list[dict]) -> dict:
         mine = [((m - (off if c.cold else 0.0)) / max(p, 1e-9), c.others_busy) for pf, m, p, c in rows
                 if pf == prefill and c.others_busy >= TOGETHER]
         alone = [m / max(p, 1e-9) for pf, m, p, c in rows if pf == prefill and not c.cold and c.others_busy <= ALONE]
-        base = statistics.median(alone) if len(alone) >= MIN_SAMPLES else 1.0
+        base = statistics.median(alone) if len(alone) >= MIN_SAMPLES else pace
         x = None
         if len(mine) >= MIN_SAMPLES:  # the excess at the share these stepped beside, taken to all the others
             share = statistics.mean(b for _, b in mine)

@@ -229,3 +229,21 @@ def test_groups_of_other_sizes_reslice_heads(a, b, mode):
     finally:
         p.close()
         d.close()
+
+
+@needs_nixl
+def test_lanes_ucx_logs_late_are_read_again_after_the_transfers(monkeypatch):
+    """On a busy box UCX may log an endpoint's lanes after the connection's deadline: the peer's path says
+    they were not logged then, and `path` reads them again once the transfers ran (the doctor's note names
+    them; it once said '(lanes not logged)' under a parallel test run)."""
+    from pdlab.kv import nixl
+    from pdlab.kv.nixl_probe import nixl_pair
+
+    monkeypatch.setattr(nixl, "read_lanes", lambda agent, log_file=None: None)
+    with nixl_pair((1, 2, 4, 2, 8, 8), 4, "tcp,sm,self") as (a, b, prefill_pool, _):
+        assert nixl.NOT_LOGGED in prefill_pool.path
+        b.copy(prefill_pool, [0, 1], b.pool, [2, 3])
+        monkeypatch.setattr(nixl, "read_lanes", lambda agent, log_file=None: "intra-node rma_am(tcp/lo) am(sm)")
+        path = b.path(prefill_pool.name)
+        assert "rma_am(tcp/lo)" in path and nixl.NOT_LOGGED not in path and "UCX_TLS=" in path
+        assert prefill_pool.path == path  # kept: read once

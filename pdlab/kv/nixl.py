@@ -61,6 +61,9 @@ def load_api() -> Any:
     return api
 
 
+NOT_LOGGED = "(lanes not logged)"  # a peer's path before UCX logged its endpoint's lanes
+
+
 @dataclass
 class NixlPeer:
     """A peer's pool (or one shard of a peer group's pool) as this agent sees it: the peer's agent name and a
@@ -162,14 +165,28 @@ class NixlTransport(Transport):
             if lanes or time.monotonic() > deadline:
                 break
             time.sleep(0.02)
-        return f"{'+'.join(self.backends)} {lanes or '(lanes not logged)'} [UCX_TLS={self.ucx_tls}]"
+        return self._describe(lanes)
+
+    def _describe(self, lanes: Optional[str]) -> str:
+        return f"{'+'.join(self.backends)} {lanes or NOT_LOGGED} [UCX_TLS={self.ucx_tls}]"
 
     def path(self, peer: str) -> str:
-        """What the hand-over to/from `peer` (its handle name) actually went through."""
+        """What the hand-over to/from `peer` (its handle name) actually went through. Lanes UCX had not logged
+        by the connection's deadline (a busy box wires an endpoint up late) are read again here, after the
+        transfers."""
         p = self._peers.get(peer)
         if isinstance(p, ShardedPool):
             p = p.shards[0]
-        return p.path if isinstance(p, NixlPeer) else self.name
+        if not isinstance(p, NixlPeer):
+            return self.name
+        if NOT_LOGGED in p.path:
+            lanes = read_lanes(self.agent_name, self.log_file)
+            if lanes:
+                p.path = self._describe(lanes)
+                key = next((k for k, (a, _) in self._agents.items() if a == p.agent), None)
+                if key is not None:
+                    self._agents[key] = (p.agent, p.path)
+        return p.path
 
     # ---- the hand-over ----
     def copy(self, src: Any, src_blocks: Sequence[int], dst: Any, dst_blocks: Sequence[int],

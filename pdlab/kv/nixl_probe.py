@@ -71,7 +71,7 @@ def probe_nixl(shape: tuple[int, ...], repeats: int = 20, scattered: bool = Fals
             hand = best_of(lambda: b.copy(prefill_pool, src_blocks, b.pool, dst_blocks), lambda: None, repeats)
             if not torch.equal(b.pool[:, :, dst_blocks], a.pool):
                 return ProbeResult("nixl", False, "the READ completed but the blocks differ: NIXL path broken")
-            lanes = prefill_pool.path
+            lanes = b.path(prefill_pool.name)  # lanes UCX logged late are read again after the transfers
             note = f"pull READ via {lanes}"
             warning = path_warning(lanes)
             return ProbeResult("nixl", True, f"{note}; {warning}" if warning else note, nbytes, n,

@@ -194,10 +194,14 @@ def test_served_tokens_are_the_engines_and_sigterm_drains(tmp_path, variant):
         assert open(s.out / "transfers.jsonl").read().count("\n") == len(recs)
 
 
+# timed workers (model.timing: each step waits out at least 2 ms, on any box) make the 450-token stream outlast
+# the 0.5 s drain by construction; with the real model it ended inside the drain on a fast box
+TIMED = ("--set", "model.timing={step: {fixed_ms: 2}, transfer: {shm: {gbps: 5}}}")
+
+
 @pytest.mark.slow
-# 0.1 s of drain: the 450-token stream lasts longer than that on any box (0.5 s did not on a fast one: the
-# stream ran to its end inside the drain, and nothing was left to cancel)
-@pytest.mark.parametrize("flags, sig", [(("--no-drain",), signal.SIGINT), (("--shutdown-timeout", "0.1"), signal.SIGTERM)])
+@pytest.mark.parametrize("flags, sig", [(("--no-drain",), signal.SIGINT),
+                                        (("--shutdown-timeout", "0.5", *TIMED), signal.SIGTERM)])
 def test_cancelled_at_shutdown_what_runs_ends_and_nothing_is_left(tmp_path, flags, sig):
     """--no-drain cancels at once; a drain that outlasts --shutdown-timeout cancels what is left. The API key
     comes from the environment here: every route but /health needs it."""

@@ -98,12 +98,8 @@ class _Spans:
 def estimate(coef: dict, steps: list[dict]) -> dict:
     """{prefill_x, decode_x, cold_ms} (None where not estimated) and {samples}: from `steps` (records with step
     counts) against the step model `coef` (StepTiming.to_raw())."""
-    ctx = context(steps)
-    rows = []  # (has prefill, measured ms, predicted ms, context)
-    for s, c in zip(steps, ctx):
-        ss = samples([s])
-        if ss:
-            rows.append((s.get("prefill_tokens", 0) > 0, ss[0].ms, float(predict(coef, ss)[0]), c))
+    rows = [(s.get("prefill_tokens", 0) > 0, mp[0], mp[1], c)  # (has prefill, measured, predicted, context)
+            for s, mp, c in zip(steps, _modelled(coef, steps), context(steps)) if mp is not None]
     warm = [m / max(p, 1e-9) for _, m, p, c in rows if not c.cold and c.others_busy <= ALONE]
     pace = statistics.median(warm) if len(warm) >= MIN_SAMPLES else 1.0  # a run on a slower box: not cold time
     cold = [m - p * pace for _, m, p, c in rows if c.cold and c.others_busy <= ALONE]
@@ -143,12 +139,17 @@ def predicted_ms(profile: object, steps: list[dict]) -> list[Optional[float]]:
     profile's contention (None for a step that computed nothing)."""
     coef = profile.step.to_raw()  # type: ignore[attr-defined]
     con = profile.contention  # type: ignore[attr-defined]
-    out: list[Optional[float]] = []
-    for s, c in zip(steps, context(steps)):
-        ss = samples([s]) if not s.get("preempted") else []
-        if not ss:
-            out.append(None)
-            continue
-        ms = float(predict(coef, ss)[0])
-        out.append(1e3 * con.step_s(ms / 1e3, s.get("prefill_tokens", 0) > 0, c.others_busy, c.cold))
+    return [None if mp is None else 1e3 * con.step_s(mp[1] / 1e3, s.get("prefill_tokens", 0) > 0, c.others_busy,
+                                                      c.cold)
+            for s, mp, c in zip(steps, _modelled(coef, steps), context(steps))]
+
+
+def _modelled(coef: dict, steps: list[dict]) -> list[Optional[tuple[float, float]]]:
+    """Each step's (measured ms, the step model's ms), in one prediction over all of them; None for a step
+    that computed nothing or was preempted (pdlab.timing.records.samples leaves it out)."""
+    out: list[Optional[tuple[float, float]]] = [None] * len(steps)
+    idx = [i for i, s in enumerate(steps) if samples([s])]
+    ss = samples([steps[i] for i in idx])
+    for i, sample, p in zip(idx, ss, predict(coef, ss) if ss else []):
+        out[i] = (sample.ms, float(p))
     return out

@@ -15,11 +15,11 @@ from test_endpoint import FakeServer
 STREAMS = 512
 
 
-def cluster_for(server) -> EndpointCluster:
+def cluster_for(server, log_dir) -> EndpointCluster:
     v = parse_recipe({"rates": [1], "model": {"preset": "tiny-llama"},
                       "engine": {"backend": "endpoint", "url": server.url, "model": "fake-model"},
                       "deployment": {"endpoint": {"devices": 1, "kind": "unified"}}}).resolved("default")
-    return EndpointCluster(v, v.deployment, label="client-test")
+    return EndpointCluster(v, v.deployment, label="client-test", log_dir=str(log_dir))
 
 
 def drain(c, n: int, timeout: float = 120) -> tuple[dict, dict]:
@@ -40,7 +40,7 @@ def test_one_loop_drives_512_concurrent_streams(tmp_path):
     server = FakeServer(tmp_path, "--token-s", "0.02", "--hold", str(STREAMS))
     threads_before = threading.active_count()
     try:
-        with cluster_for(server) as c:
+        with cluster_for(server, tmp_path) as c:
             c.start()
             sent = time.monotonic()
             for i in range(STREAMS):
@@ -65,7 +65,7 @@ def test_tokens_of_one_chunk_share_its_time(tmp_path):
     busy box can deliver both in one read (seen in CI with 2 ms between them), and a read is stamped once."""
     server = FakeServer(tmp_path, "--chunk", "3", "--token-s", "0.05")
     try:
-        with cluster_for(server) as c:
+        with cluster_for(server, tmp_path) as c:
             c.start()
             c.submit("a", [1, 2, 3], {"max_tokens": 7})
             tokens, done = drain(c, 1)

@@ -168,6 +168,22 @@ def test_lanes_are_read_per_agent_from_the_ucx_log(tmp_path):
     assert read_lanes("x", str(tmp_path / "missing.log")) is None
 
 
+def test_a_worker_leaves_no_ucx_log_folder_behind(tmp_path):
+    """A forked worker ends with os._exit, which runs no atexit hook: the folder its UCX log went to is removed
+    on its way out (pdlab.serve.worker calls remove_log_dir), or every run would leave one per worker."""
+    import subprocess
+    import sys
+
+    code = ("import os; from pdlab.kv import ucx_log; f = ucx_log.ucx_log_file(); print(os.path.dirname(f)); "
+            "ucx_log.remove_log_dir(); ucx_log.remove_log_dir(); os._exit(0)")
+    env = {k: v for k, v in os.environ.items() if k != "UCX_LOG_FILE"}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env={**env, "TMPDIR": str(tmp_path)})
+    made = r.stdout.strip()
+    assert r.returncode == 0 and made.startswith(str(tmp_path)), r.stderr
+    assert not os.path.exists(made) and os.listdir(tmp_path) == []
+
+
 def test_cli_without_nixl_says_how_to_install_it_and_starts_nothing(tmp_path):
     """`pdlab run` where NIXL cannot be found: one line, exit 2, no run directory."""
     import subprocess

@@ -34,6 +34,15 @@ def ucx_log_file() -> str:
     return os.environ["UCX_LOG_FILE"]
 
 
+def remove_log_dir() -> None:
+    """Remove the log folder this process made, if it made one: a worker calls this on its way out, since a
+    forked worker ends with os._exit, which runs no atexit hook. Its lanes can no longer be read after."""
+    global _log_dir
+    if _log_dir is not None:
+        shutil.rmtree(_log_dir, ignore_errors=True)
+        _log_dir = None
+
+
 def read_lanes(agent: str, log_file: Optional[str] = None) -> Optional[str]:
     """The last endpoint configuration UCX logged for `agent`: 'intra-node rma_am(tcp/lo) ...', or None."""
     _flush_stdio()  # UCX writes its log through a buffered FILE*

@@ -20,6 +20,7 @@ from typing import Any
 from pdlab.engine.model import load_stand_in
 from pdlab.gpus import rank_device
 from pdlab.kv.fingerprint import KvFingerprint
+from pdlab.kv.ucx_log import remove_log_dir
 from pdlab.serve import messages as m
 from pdlab.serve.curve import connect_as_member
 from pdlab.serve.process import die_with_parent, exit_on_signal, pin_process, use_threads
@@ -160,6 +161,7 @@ class Worker:
             if self.transport is not None:
                 self.handler.close()
                 self.transport.close()
+                remove_log_dir()
             self.sock.close()
             self.ctx.term()
 

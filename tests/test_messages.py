@@ -49,3 +49,23 @@ def test_encode_only_registered_types():
 
     with pytest.raises(m.MessageError):
         m.encode(Stop())
+
+
+def test_a_prompt_is_packed_as_it_is_not_copied_token_by_token(monkeypatch):
+    """The router sends every prompt in a Submit: dataclasses.asdict would copy it element by element (0.5 ms a
+    1,000 tokens on the box it was found on, the router's whole time per request at a burst). A field of plain
+    data goes to msgpack as it is; only a dataclass nested in a field is turned into its dict."""
+    from dataclasses import dataclass
+
+    prompt = list(range(3, 20_003))
+    monkeypatch.setattr(m, "asdict", lambda obj: pytest.fail("a plain message went through asdict"))
+    assert m.decode(m.encode(m.Submit("r1", prompt, {"max_tokens": 1}))).prompt_ids == prompt
+    monkeypatch.undo()
+
+    @dataclass
+    class Record:
+        bytes: int
+
+    assert m.decode(m.encode(m.Step("w", {"transfer": Record(5)}))).record == {"transfer": {"bytes": 5}}
+    with pytest.raises(TypeError, match="cannot send object"):
+        m.encode(m.Step("w", {"x": object()}))

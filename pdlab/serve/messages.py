@@ -7,7 +7,7 @@ dataclasses registered here, and it rejects unknown types, missing or extra fiel
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
 import msgpack
@@ -258,7 +258,16 @@ def encode(msg: Any) -> bytes:
     name = type(msg).__name__
     if MESSAGES.get(name) is not type(msg):
         raise MessageError(f"not a pdlab message: {type(msg)!r}")
-    return msgpack.packb([name, asdict(msg)], use_bin_type=True)
+    body = {f.name: getattr(msg, f.name) for f in fields(msg)}  # not asdict: it copies a prompt token by token
+    return msgpack.packb([name, body], use_bin_type=True, default=_plain)
+
+
+def _plain(obj: Any) -> Any:
+    """A value msgpack cannot pack by itself: a dataclass nested in a field goes as its dict; anything else
+    is an error, as it was."""
+    if is_dataclass(obj) and not isinstance(obj, type):
+        return asdict(obj)
+    raise TypeError(f"cannot send {type(obj).__name__} in a message")
 
 
 def decode(frame: bytes) -> Any:

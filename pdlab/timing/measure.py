@@ -5,7 +5,8 @@ A designed set of *cases*, each a fresh engine (prefix cache off) given some wor
 - prefill: one prompt chunked on a token budget (chunks of that size at starting contexts 0, B, 2B, ...),
   or several short prompts in one step; max_tokens 1, so every step is prefill-only;
 - decode: N requests already decoding at contexts around C (their KV placed as a decode worker's is after
-  a hand-over: `Engine.reserve` + `admit`, the blocks filled with random values), stepped a few times;
+  a hand-over: `Engine.reserve` + `admit`, the blocks filled with random values), stepped DECODE_LEAD times
+  unrecorded, then a few times recorded;
 - mixed: decoders as above plus a prompt prefilled on a token budget next to them, until its prefill ends.
 
 Every step is recorded with the counts `pdlab.engine.timed.step_counts` gives for its scheduled batch
@@ -31,6 +32,11 @@ from pdlab.engine.timed import StepCounts
 from pdlab.timing.fit import StepSample, fit_transfer
 
 BATCHES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256)
+# Decode steps a decode case takes before it records any. The first steps of a new batch ran 10-16% slower
+# than the same batch's later ones (cpu-demo on an AVX-512 Xeon, batches of 1-8, primer or not: settling
+# after about 8), while a run's decode steps are mostly a batch's later ones; recording the first few biased
+# the profile's decode figures that much high (runs' decode steps at x0.82-0.95 of the model).
+DECODE_LEAD = 8
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,16 @@ class Case:
     prompts: tuple[int, ...]  # lengths of prompts to prefill
     decoders: tuple[int, ...]  # contexts of requests decoding from the start
     steps: int  # most steps to record
+
+    @property
+    def lead(self) -> int:
+        """Steps taken before the first recorded one (DECODE_LEAD for a decode case)."""
+        return DECODE_LEAD if self.kind == "decode" else 0
+
+    def blocks(self, block_size: int = 16) -> int:
+        """KV blocks the case's requests hold at most."""
+        return sum(cdiv(c + self.lead + self.steps + 4, block_size) for c in self.decoders) + \
+            sum(cdiv(n + 4, block_size) for n in self.prompts)
 
     @property
     def expected_steps(self) -> int:
@@ -208,8 +224,7 @@ def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0,
     from pdlab.engine import Engine, EngineConfig, SamplingParams
 
     vocab = model.config.vocab_size
-    need = sum(cdiv(c + case.steps + 4, block_size) for c in case.decoders) + \
-        sum(cdiv(n + 4, block_size) for n in case.prompts)
+    lead, need = case.lead, case.blocks(block_size)
     cfg = EngineConfig(block_size=block_size, kv_blocks=2 * need + 16, token_budget=case.budget,
                        chunked_prefill=case.chunked, prefix_caching=False,
                        max_running=max(1, len(case.decoders) + len(case.prompts)))
@@ -220,7 +235,7 @@ def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0,
     for i, ctx in enumerate(case.decoders):
         rid = f"d{i}"
         res = eng.reserve(rid, rng.integers(3, vocab, size=ctx).tolist(), first_token=int(rng.integers(3, vocab)),
-                          params=SamplingParams(max_tokens=case.steps + 8, ignore_eos=True))
+                          params=SamplingParams(max_tokens=lead + case.steps + 8, ignore_eos=True))
         assert res is not None, "the case's pool is sized to hold every decoder"
         idx = torch.tensor(res.block_ids, device=eng.device)
         shape = list(eng.kv.shape)
@@ -233,6 +248,8 @@ def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0,
     gc.collect()
     if primer is not None:
         primer()
+    for _ in range(lead):
+        eng.step()
     for _ in range(case.steps):
         if not eng.has_work():
             break

@@ -118,7 +118,6 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     import numpy as np
     import torch
 
-    from pdlab.constants import cdiv
     from pdlab.engine import Engine, EngineConfig, load_model
     from pdlab.engine.host_malloc import tune_malloc
     from pdlab.engine.model import model_dims
@@ -136,8 +135,7 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     cases = design(job.steps, lim, rng)
     # the pool a unified worker with the default engine config allocates (larger when a case needs more)
     worker = Engine(model, EngineConfig())
-    need = max(2 * sum(cdiv(x + c.steps + 4, 16) for x in c.prompts + c.decoders) + 16
-               for c in cases + warmup_cases(lim)) + PRIMER_BLOCKS
+    need = max(2 * c.blocks() + 16 for c in cases + warmup_cases(lim)) + PRIMER_BLOCKS
     if worker.blocks.num_blocks < need:
         del worker
         worker = Engine(model, EngineConfig(kv_blocks=need))

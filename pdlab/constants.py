@@ -120,6 +120,10 @@ PROFILE_CHECK_MAPE_PCT = 15.0  # pdlab profile --check / a run's last line: a ki
 # a step that starts this long after its worker's last one ended is a cold step (pdlab.timing.contention): its
 # weights and KV were evicted by the other workers' steps, or its core slept, while it waited
 COLD_AFTER_MS = 20.0
+# The probability levels of a decode step's spread around its model (pdlab.timing.contention): a profile keeps
+# the quantiles of measured / predicted there, over their median; the simulator draws each decode step from
+# them. Dense in the tail, where a request's p99 ITL takes its steps from.
+SPREAD_LEVELS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99)
 PACE_DRIFT = 0.1  # a run's pace this far from its profile's (pdlab.timing.pace) is named in profile-check warnings
 PROFILE_MIN_R2 = 0.9  # pdlab profile: held-out R^2 (overall or of a kind) below this
 PROFILE_MAX_P90_PCT = 25.0  # pdlab profile: held-out p90 percentage error above this

@@ -1,8 +1,10 @@
 """Contention (pdlab.timing.contention): a step's context in a run, the figures read back from steps, the
 profile's section, and the simulator stepping by it so that what it simulates is what the estimate reads."""
 
+import numpy as np
 import pytest
 
+from pdlab.constants import SPREAD_LEVELS
 from pdlab.recipe import parse_recipe
 from pdlab.recipe.timing import ContentionTiming, StepTiming, parse_timing
 from pdlab.fields import RecipeError
@@ -70,7 +72,10 @@ def test_the_estimate_reads_back_what_the_steps_took():
     assert est["cold_ms"] == pytest.approx(4.0, abs=0.05)
     assert est["prefill_x"] == pytest.approx(1.3, rel=0.05)  # the cold cost taken off first
     assert est["decode_x"] == pytest.approx(1.1, rel=0.05)
-    assert contention_raw(est) == {k: round(est[k], 4) for k in ("prefill_x", "decode_x", "cold_ms")}
+    raw = contention_raw(est)
+    assert {k: raw[k] for k in ("prefill_x", "decode_x", "cold_ms")} == \
+        {k: round(est[k], 4) for k in ("prefill_x", "decode_x", "cold_ms")}
+    assert len(raw["decode_spread"]) == len(SPREAD_LEVELS)  # 40 warm decode steps alone: a spread
     quiet = estimate(StepTiming(**STEP).to_raw(), synthetic(1.0, 1.0, 0.0))
     assert quiet["prefill_x"] == pytest.approx(1.0, abs=0.02) and quiet["decode_x"] == pytest.approx(1.0, abs=0.02)
     assert quiet["cold_ms"] == pytest.approx(0.0, abs=0.05)
@@ -154,7 +159,6 @@ def test_the_simulator_steps_by_contention_and_the_replay_explains_it(dep):
             prev = s["end"]
     assert together > 10  # the workers did step together
     assert sum(r["token_times"][-1] for r in recs) > sum(r["token_times"][-1] for r in bare_recs)
-    # replayed against the same profile, the contention is the profile's, not the workers' pace
     # replayed against the same profile, the contention is the profile's, not the workers' pace: each worker's
     # pace is near 1 (the simulator reads the others' share at a step's start, the replay over the step: within
     # 5%), and nearer than against the profile without its contention
@@ -164,3 +168,80 @@ def test_the_simulator_steps_by_contention_and_the_replay_explains_it(dep):
     for w, p in paces.items():
         assert p.factor == pytest.approx(1.0, abs=0.05) and abs(p.factor - 1) < abs(blind[w].factor - 1), w
     assert all(m is None or m > 0 for m in predicted_ms(v.model.timing, steps))
+
+
+ALONE_RATIOS = (0.95, 1.0, 1.0, 1.02, 1.05, 1.1, 1.3)  # a decode step's time over its model, cycled
+BESIDE_RATIOS = (1.0, 1.05, 1.1, 1.2, 1.6, 2.0)
+
+
+def spread_steps():
+    """Worker d decodes alone for a while, its steps at ALONE_RATIOS of the model in turn, then beside p's long
+    prefill steps at BESIDE_RATIOS."""
+    steps, t = [], 1.0
+    for i in range(70):
+        ms = model_ms(decode=2) * ALONE_RATIOS[i % len(ALONE_RATIOS)]
+        steps.append(step("d", t, ms, decode=2))
+        t += ms / 1e3 + 0.0002
+    p0 = t
+    steps.append(step("p", p0, 2000.0, prefill=4000))  # p steps throughout what follows
+    t += 0.0001
+    for i in range(60):
+        ms = model_ms(decode=2) * BESIDE_RATIOS[i % len(BESIDE_RATIOS)]
+        steps.append(step("d", t, ms, decode=2))
+        t += ms / 1e3 + 0.0002
+    return steps
+
+
+def test_the_spread_of_decode_steps_is_read_by_context_over_its_median():
+    est = estimate(StepTiming(**STEP).to_raw(), spread_steps())
+    for key, ratios in (("decode_spread", ALONE_RATIOS), ("decode_spread_beside", BESIDE_RATIOS)):
+        cycled = np.array(ratios * 12)
+        want = np.quantile(cycled / np.median(cycled), SPREAD_LEVELS)
+        assert est[key] == pytest.approx(tuple(want), abs=0.03), key
+        assert est[key][SPREAD_LEVELS.index(0.5)] == pytest.approx(1.0)
+    few = estimate(StepTiming(**STEP).to_raw(), spread_steps()[:10])
+    assert few["decode_spread"] is None and few["decode_spread_beside"] is None  # below MIN_SPREAD
+    raw = contention_raw(est)
+    assert "decode steps spread p90 x" in describe(raw) and " beside" in describe(raw)
+
+
+def test_the_section_draws_a_decode_step_from_its_spread():
+    qs = tuple(np.linspace(0.9, 1.5, len(SPREAD_LEVELS)))
+    beside = tuple(np.linspace(1.0, 2.5, len(SPREAD_LEVELS)))
+    c = ContentionTiming(decode_spread=qs, decode_spread_beside=beside)
+    assert c.step_s(0.010, False, 0.0, False, u=SPREAD_LEVELS[-1]) == pytest.approx(0.015)  # alone, at p99
+    assert c.step_s(0.010, False, 1.0, False, u=SPREAD_LEVELS[-1]) == pytest.approx(0.025)  # beside, at p99
+    assert c.step_s(0.010, False, 0.5, False, u=1.0) == pytest.approx(0.020)  # past p99: p99, weighted
+    assert c.step_s(0.010, True, 1.0, False, u=1.0) == pytest.approx(0.010)  # a prefill step: no spread
+    assert c.step_s(0.010, False, 1.0, False) == pytest.approx(0.010)  # no draw: the median
+    t = parse_timing({"step": STEP, "contention": {"decode_spread": list(qs)}}, "model.timing")
+    assert t.contention.decode_spread == pytest.approx(qs) and t.contention.decode_spread_beside == ()
+    assert "decode_spread_beside" not in t.contention.to_raw()
+    for bad in ([1.0, 1.1], list(reversed(qs)), [0.0] * len(SPREAD_LEVELS), "wide"):
+        with pytest.raises(RecipeError, match="model.timing.contention.decode_spread"):
+            parse_timing({"step": STEP, "contention": {"decode_spread": bad}}, "model.timing")
+
+
+def test_the_simulator_draws_decode_steps_from_the_spread_and_repeats_exactly():
+    qs = tuple(float(x) for x in np.linspace(0.8, 1.6, len(SPREAD_LEVELS)))
+    con = {"decode_spread": list(qs), "decode_spread_beside": list(qs)}
+    v, slo = variant(con, PULL)
+    reqs = build_requests(v.workload, 40.0, seed=1, vocab_size=256)
+    recs, steps, _ = Simulator(v, slo).run(reqs, 40.0)
+    again = Simulator(v, slo).run(reqs, 40.0)[1]
+    other = Simulator(v, slo).run(reqs, 40.0, repeat=1)[1]
+    bare_recs, bare_steps, _ = Simulator(*variant({}, PULL)).run(reqs, 40.0)
+    assert {r["id"]: r["output_ids"] for r in recs} == {r["id"]: r["output_ids"] for r in bare_recs}
+    span = lambda ss: [s["end"] - s["start"] for s in ss]  # noqa: E731
+    assert span(steps) == span(again) and span(steps) != span(other)  # seeded per worker, rate and repeat
+    ratios = [(s["end"] - s["start"]) * 1e3 / model_ms(0, s["decode_seqs"]) for s in steps
+              if s["decode_seqs"] and not s["prefill_tokens"] and s["worker"] == "decode0"]
+    assert qs[0] - 1e-6 <= min(ratios) and max(ratios) <= qs[-1] + 1e-6
+    assert np.median(ratios) == pytest.approx(np.interp(0.5, SPREAD_LEVELS, qs), rel=0.05)
+    prefill = [s for s in steps if s["prefill_tokens"] and not s["decode_seqs"]]
+    assert all((s["end"] - s["start"]) * 1e3 == pytest.approx(model_ms(s["prefill_tokens"])) for s in prefill)
+    # what it simulates, the estimate reads back: the spread of the simulated decode steps
+    est = estimate(StepTiming(**STEP).to_raw(), steps)
+    got = est["decode_spread_beside"] or est["decode_spread"]
+    want = np.array(qs) / np.interp(0.5, SPREAD_LEVELS, qs)
+    assert got[SPREAD_LEVELS.index(0.9)] == pytest.approx(want[SPREAD_LEVELS.index(0.9)], rel=0.08)

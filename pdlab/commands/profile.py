@@ -213,6 +213,7 @@ def _write_host(checks: dict, given: object, path: Optional[str]) -> int:
     import yaml
 
     from pdlab.recipe.timing import profile_path
+    from pdlab.timing.contention import describe
     from pdlab.timing.host import host_raw
     from pdlab.timing.write import write_profile
 
@@ -232,5 +233,5 @@ def _write_host(checks: dict, given: object, path: Optional[str]) -> int:
     head = "".join(ln[2:] + "\n" for ln in text.splitlines() if ln.startswith("# "))
     write_profile(file, raw, head)
     print(f"wrote the run's host time into {file}: {raw['host']}"
-          + (f"; its contention: {raw['contention']}" if contention else ""))
+          + (f"; its contention: {describe(raw['contention'])}" if contention else ""))
     return 0

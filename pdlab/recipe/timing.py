@@ -41,7 +41,7 @@ from typing import Any, Optional
 
 import yaml
 
-from pdlab.constants import TRANSPORTS
+from pdlab.constants import SPREAD_LEVELS, TRANSPORTS
 from pdlab.fields import RecipeError, Section, did_you_mean, optional, plain, section, spec, to_float, to_int, to_text
 
 MS = "a number of milliseconds >= 0"
@@ -113,25 +113,66 @@ def _factor(v: Any) -> float:
     return v
 
 
+def _spread(v: Any) -> tuple[float, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)) or len(v) != len(SPREAD_LEVELS):
+        raise ValueError
+    qs = tuple(_factor(x) for x in v)
+    if any(b < a for a, b in zip(qs, qs[1:])):
+        raise ValueError
+    return qs
+
+
+_SPREAD = (f"a list of {len(SPREAD_LEVELS)} numbers > 0, non-decreasing (a decode step's time over its model's "
+           f"median, at probabilities {', '.join(f'{x:g}' for x in SPREAD_LEVELS)})")
+
+
 @dataclass(frozen=True)
 class ContentionTiming(Section):
     """What a worker's step costs beyond the step model on a host it shares with the deployment's other
     workers (pdlab.timing.contention): the profile's steps were measured alone and back to back, a run's are
     not. A step with prefill tokens takes `prefill_x` times its model while every other worker steps too
     (`decode_x` a decode-only step; linear in the share of the others stepping), and a step that starts
-    constants.COLD_AFTER_MS or more after its worker's last one takes `cold_ms` more (its caches went cold)."""
+    constants.COLD_AFTER_MS or more after its worker's last one takes `cold_ms` more (its caches went cold).
+
+    A decode-only step also spreads around that time: `decode_spread` (alone) and `decode_spread_beside` (all
+    other workers stepping) are the quantiles, at constants.SPREAD_LEVELS, of such steps' measured over
+    predicted time divided by their median. A request's p99 ITL is its slowest steps: without the spread a
+    simulated decode worker steps like a metronome and its ITL tail is the model's mean."""
 
     prefill_x: float = spec(1.0, "a number > 0 (a step with prefill tokens, all other workers stepping: x its "
                                  "model)", _factor)
     decode_x: float = spec(1.0, "a number > 0 (a decode-only step, all other workers stepping: x its model)",
                            _factor)
     cold_ms: float = spec(0.0, f"{MS} (added to a step that starts after its worker idled)", _ms)
+    decode_spread: tuple[float, ...] = spec((), _SPREAD + ", alone", _spread)
+    decode_spread_beside: tuple[float, ...] = spec((), _SPREAD + ", all other workers stepping", _spread)
 
-    def step_s(self, model_s: float, has_prefill: bool, others_busy: float, cold: bool) -> float:
+    def to_raw(self) -> dict:
+        raw = super().to_raw()
+        for k in ("decode_spread", "decode_spread_beside"):
+            if not raw.get(k):
+                raw.pop(k, None)
+        return raw
+
+    def spread(self, u: float, others_busy: float) -> float:
+        """A decode step's factor at probability `u` of its spread, for the share of the others stepping (1.0
+        without a spread). Alone and beside are read at the same `u` and weighted by the share."""
+        import numpy as np
+
+        alone = float(np.interp(u, SPREAD_LEVELS, self.decode_spread)) if self.decode_spread else 1.0
+        beside = float(np.interp(u, SPREAD_LEVELS, self.decode_spread_beside)) if self.decode_spread_beside \
+            else alone
+        return alone + (beside - alone) * others_busy
+
+    def step_s(self, model_s: float, has_prefill: bool, others_busy: float, cold: bool,
+               u: Optional[float] = None) -> float:
         """A step's time from its model's, the share of the other workers stepping at its start and whether
-        its worker idled before it."""
+        its worker idled before it; with `u` (a uniform draw), a decode-only step is drawn from its spread."""
         x = self.prefill_x if has_prefill else self.decode_x
-        return model_s * (1.0 + (x - 1.0) * others_busy) + (self.cold_ms / 1000.0 if cold else 0.0)
+        spread = self.spread(u, others_busy) if u is not None and not has_prefill else 1.0
+        return model_s * (1.0 + (x - 1.0) * others_busy) * spread + (self.cold_ms / 1000.0 if cold else 0.0)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,8 @@ Contention (the profile's `contention`, pdlab.timing.contention): a step takes p
 decode-only step) times its model when every other worker steps beside it throughout (linear in the share of
 its modelled time they do: one with work steps throughout, one without until its step in progress ends), and
 cold_ms more when its worker's last step ended constants.COLD_AFTER_MS
-or more before it (its first step included: a run's workers wait for their first request).
+or more before it (its first step included: a run's workers wait for their first request). A decode-only step
+is drawn from the profile's decode spreads where it has them (alone and beside, weighted by the same share).
 
 A worker's pace (pdlab.sim.pace.WorkerPace, given per worker: a run replayed at its own pace) scales its
 steps by its factor at the rate being simulated, and draws its gaps from the quantiles it carries.
@@ -44,6 +45,8 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -55,7 +58,7 @@ from pdlab.measure.metrics import build_request_record
 from pdlab.recipe import SLO, Variant
 from pdlab.serve.placement import WorkerView, choose_decode, least_loaded, mirrors_caches, place_arrival
 from pdlab.sim.pace import PacedTiming, WorkerPace
-from pdlab.workload import WorkloadRequest
+from pdlab.workload import WorkloadRequest, rate_tag
 
 
 class VirtualClock:
@@ -76,11 +79,17 @@ class _Contended:
     """A worker's step model on a host it shares (the profile's ContentionTiming). Before each of its steps the
     simulator sets `start`, `cold` and `others`: for each other worker, whether it has work (it steps through
     this step, back to back) and when its step in progress ends (None: none); the share of the others
-    stepping is read over the step's modelled time."""
+    stepping is read over the step's modelled time. Where the profile has decode spreads, each decode-only
+    step is drawn from them, seeded per worker, rate and repeat (`reseed`): a simulation repeats exactly."""
 
-    def __init__(self, inner: Any, contention: Any):
-        self.inner, self.contention = inner, contention
+    def __init__(self, inner: Any, contention: Any, worker: str):
+        self.inner, self.contention, self.worker = inner, contention, worker
         self.start, self.cold, self.others = 0.0, False, []
+        self.spreads = bool(contention.decode_spread or contention.decode_spread_beside)
+        self.rng = random.Random(0)
+
+    def reseed(self, rate: float, repeat: int) -> None:
+        self.rng.seed(zlib.crc32(f"{self.worker}/{rate_tag(rate)}/{repeat}".encode()))  # stable across processes
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -94,7 +103,8 @@ class _Contended:
 
     def step_s(self, *counts: int) -> float:
         s = self.inner.step_s(*counts)
-        return self.contention.step_s(s, counts[0] > 0, self.share(s), self.cold)
+        u = self.rng.random() if self.spreads else None
+        return self.contention.step_s(s, counts[0] > 0, self.share(s), self.cold, u)
 
 
 @dataclass
@@ -155,7 +165,7 @@ class Simulator:
             clock = VirtualClock()
             pace = (paces or {}).get(w.name)
             paced = PacedTiming(self.timing, pace, w.name) if pace is not None else None
-            timing = _Contended(paced or self.timing, self.timing.contention)
+            timing = _Contended(paced or self.timing, self.timing.contention, w.name)
             eng = Engine(stand_in, variant.engine, role=w.role, step_timing=timing, clock=clock)
             self.workers[w.name] = _Worker(w.name, w.role, eng, clock, timing, paced)
         self.layers = next(iter(self.workers.values())).engine.dims["layers"]
@@ -191,6 +201,7 @@ class Simulator:
         for w in self.workers.values():
             if w.paced is not None:
                 w.paced.start(rate, repeat)
+            w.timing.reseed(rate, repeat)
             if cold:
                 w.engine.reset_prefix_cache()
             t = max(w.free_at, w.clock.t)

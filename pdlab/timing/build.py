@@ -14,7 +14,7 @@ from pdlab.constants import PROFILE_MAX_P90_PCT, PROFILE_MIN_R2
 BUSY_SHARE = 0.9  # a measuring process with less of its core than this: the box was busy
 from pdlab.engine.timed import StepCounts
 from pdlab.timing import fit as F
-from pdlab.timing.contention import contention_raw, describe, estimate
+from pdlab.timing.contention import SPREADS, contention_raw, describe, estimate
 from pdlab.timing.host import host_raw
 from pdlab.timing.write import profile_raw
 
@@ -94,12 +94,14 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
             probed = contention_raw(est)
             # the probe's prompts are short (host_probe.PROMPTS): its steps beside a neighbour are not the run's
             # mix, and their factor did not carry to longer prompts (x1.24 probed, x1.02-1.05 in runs of long and
-            # chunked prompts; BENCHMARKS.md, 2026-12-03); its cold steps did (2.0 ms probed, 0.5-2.4 in runs)
-            contention = {k: v for k, v in probed.items() if k == "cold_ms"} or None
+            # chunked prompts; BENCHMARKS.md, 2026-12-03); its cold steps did (2.0 ms probed, 0.5-2.4 in runs),
+            # and so does the spread of decode steps (each over its own median, it leaves the factor out)
+            contention = {k: v for k, v in probed.items() if k in ("cold_ms",) + SPREADS} or None
             fit["contention"] = {"samples": est["samples"], "probed": probed,
                                  "how": "the host probe's steps against the fitted step model (pdlab.timing."
-                                        "contention); cold_ms kept, prefill_x and decode_x from a run's steps "
-                                        "(pdlab profile --check RUN --profile FILE --write-host)"}
+                                        "contention); cold_ms and the decode spreads kept, prefill_x and decode_x "
+                                        "from a run's steps (pdlab profile --check RUN --profile FILE "
+                                        "--write-host)"}
     raw = profile_raw(name=name, source="measured", device=res["device"], date=datetime.date.today().isoformat(),
                       model=model, step=coef, kv_bytes_per_token=res["kv_bytes_per_token"],
                       kv_memory_gb=res["kv_memory_gb"], transfer=usable, fit=fit,

@@ -17,7 +17,7 @@ import statistics
 from typing import Any, Optional
 
 from pdlab.constants import PACE_DRIFT, PROFILE_CHECK_MAPE_PCT
-from pdlab.timing.contention import contention_raw, estimate
+from pdlab.timing.contention import SPREADS, contention_raw, estimate, tail
 from pdlab.timing.fit import KINDS, StepSample, errors, predict
 from pdlab.timing.host import FIGURES, host_times
 from pdlab.timing.records import CheckError, samples  # noqa: F401 - CheckError: its callers catch it from here
@@ -117,8 +117,11 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         what = "timed steps" if c["modelled"] else "steps"
         pace = c.get("pace")
         con = c.get("contention") or {}
-        contention = ", ".join(f"{k} {con[k]:.3g} ({c['profile_contention'].get(k, 0):.3g})"
-                               for k in ("prefill_x", "decode_x", "cold_ms") if con.get(k) is not None)
+        pc = c["profile_contention"]
+        contention = ", ".join([f"{k} {con[k]:.3g} ({pc.get(k, 0):.3g})" for k in ("prefill_x", "decode_x", "cold_ms")
+                                if con.get(k) is not None] +
+                               [f"{k} {tail(con[k])} ({tail(pc[k]) if pc.get(k) else 'none'})" for k in SPREADS
+                                if con.get(k)])
         out.append(f"{name}: {what} against profile {c['profile']} ({c['by']}): MAPE {kinds} [measured/predicted, "
                    f"steps]" + (f"; host ms {host} [run (profile)]" if host else "") +
                    (f"; contention {contention} [run (profile)]" if contention else "") +

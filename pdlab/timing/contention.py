@@ -23,7 +23,14 @@ the profile's ContentionTiming from steps and the step model that predicts them:
   the model's own steps were warm and alone, so on the profile's box that is about 1); the excess is divided
   by the mean share the steps were together, so x is for all others stepping.
 
-A figure with fewer than MIN_SAMPLES steps behind it is not estimated (None).
+- decode_spread, decode_spread_beside: the quantiles (constants.SPREAD_LEVELS) of measured / predicted over
+  warm decode-only steps alone (beside: with the others stepping TOGETHER or more), each over its median: how
+  a decode step's time spreads around its model, by context. On the 2-core Xeon the steps of a decode worker
+  beside a prefill worker spread to x1.44-1.49 at p99 (alone x1.16-1.28) with their median at x1.0-1.05: a
+  run's p99 ITL is that tail, which a mean factor does not give.
+
+A figure with fewer than MIN_SAMPLES steps behind it is not estimated (None); a spread, with fewer than
+MIN_SPREAD.
 """
 
 from __future__ import annotations
@@ -34,11 +41,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
-from pdlab.constants import COLD_AFTER_MS
+import numpy as np
+
+from pdlab.constants import COLD_AFTER_MS, SPREAD_LEVELS
 from pdlab.timing.fit import predict
 from pdlab.timing.records import samples
 
 MIN_SAMPLES = 5
+MIN_SPREAD = 20  # steps behind a spread: its p99 is then about the largest of them
 # shares of the others stepping (time-weighted) that count as alone and as stepping together: a worker stepping
 # back to back covers ~90-95% of the time (its gaps between steps), so together starts below that
 ALONE, TOGETHER = 0.1, 0.75
@@ -117,20 +127,45 @@ def estimate(coef: dict, steps: list[dict]) -> dict:
             x = max(1.0 + (statistics.median(r for r, _ in mine) / base - 1.0) / share, 1e-3)
         out[f"{kind}_x"] = x
         out["samples"][kind] = {"together": len(mine), "alone": len(alone)}
+    for key, keep in (("decode_spread", lambda c: c.others_busy <= ALONE),
+                      ("decode_spread_beside", lambda c: c.others_busy >= TOGETHER)):
+        rs = [m / max(p, 1e-9) for pf, m, p, c in rows if not pf and not c.cold and keep(c)]
+        out[key] = spread(rs) if len(rs) >= MIN_SPREAD else None
+        out["samples"][key] = len(rs)
     return out
+
+
+def spread(ratios: list[float]) -> tuple[float, ...]:
+    """The quantiles at SPREAD_LEVELS of `ratios` over their median."""
+    r = np.asarray(ratios, dtype=float) / max(float(np.median(ratios)), 1e-9)
+    return tuple(float(q) for q in np.quantile(r, SPREAD_LEVELS))
+
+
+SPREADS = ("decode_spread", "decode_spread_beside")
+FIGURES = ("prefill_x", "decode_x", "cold_ms") + SPREADS  # a profile's `contention` keys
 
 
 def contention_raw(est: dict) -> dict:
     """A profile's `contention` block from an estimate: the figures it has."""
-    return {k: round(est[k], 4) for k in ("prefill_x", "decode_x", "cold_ms") if est.get(k) is not None}
+    return {k: [round(x, 4) for x in est[k]] if k in SPREADS else round(est[k], 4)
+            for k in FIGURES if est.get(k) is not None}
+
+
+def tail(qs: object) -> str:
+    """'p90 x1.07, p99 x1.24' of a spread (its quantiles at SPREAD_LEVELS)."""
+    q = dict(zip(SPREAD_LEVELS, qs))  # type: ignore[call-overload]
+    return f"p90 x{q[0.9]:.2f}, p99 x{q[0.99]:.2f}"
 
 
 def describe(raw: dict) -> str:
-    """'prefill x1.09, decode x1.03 beside stepping workers; a cold step +2.1 ms' from a contention block (the
-    figures it has; 'none' without any)."""
+    """'prefill x1.09, decode x1.03 beside stepping workers; a cold step +2.1 ms; decode steps spread p90 x1.07,
+    p99 x1.24 alone, p90 x1.15, p99 x1.5 beside' from a contention block (the figures it has; 'none' without
+    any)."""
     beside = [f"{k[:-2]} x{raw[k]:.3g}" for k in ("prefill_x", "decode_x") if raw.get(k) is not None]
+    spreads = [f"{tail(raw[k])} {'beside' if k.endswith('beside') else 'alone'}" for k in SPREADS if raw.get(k)]
     parts = ([", ".join(beside) + " beside stepping workers"] if beside else []) + (
-        [f"a cold step +{raw['cold_ms']:.3g} ms"] if raw.get("cold_ms") is not None else [])
+        [f"a cold step +{raw['cold_ms']:.3g} ms"] if raw.get("cold_ms") is not None else []) + (
+        ["decode steps spread " + ", ".join(spreads)] if spreads else [])
     return "; ".join(parts) or "none"
 
 

@@ -203,6 +203,14 @@ def test_the_spread_of_decode_steps_is_read_by_context_over_its_median():
     assert few["decode_spread"] is None and few["decode_spread_beside"] is None  # below MIN_SPREAD
     raw = contention_raw(est)
     assert "decode steps spread p90 x" in describe(raw) and " beside" in describe(raw)
+    # the step model off by batch size (x1.0 for 2 sequences, x1.3 for 6), every step of a size alike: no spread
+    shaped, t = [], 1.0
+    for i in range(40):
+        n = 2 if i % 2 else 6
+        ms = model_ms(decode=n) * (1.0 if n == 2 else 1.3)
+        shaped.append(step("d", t, ms, decode=n))
+        t += ms / 1e3 + 0.0002
+    assert estimate(StepTiming(**STEP).to_raw(), shaped)["decode_spread"] == pytest.approx((1.0,) * len(SPREAD_LEVELS))
 
 
 def test_the_section_draws_a_decode_step_from_its_spread():

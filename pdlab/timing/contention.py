@@ -106,38 +106,58 @@ class _Spans:
 
 
 def estimate(coef: dict, steps: list[dict]) -> dict:
-    """{prefill_x, decode_x, cold_ms} (None where not estimated) and {samples}: from `steps` (records with step
-    counts) against the step model `coef` (StepTiming.to_raw())."""
-    rows = [(s.get("prefill_tokens", 0) > 0, mp[0], mp[1], c)  # (has prefill, measured, predicted, context)
+    """{prefill_x, decode_x, cold_ms, decode_spread, decode_spread_beside} (None where not estimated) and
+    {samples}: from `steps` (records with step counts) against the step model `coef` (StepTiming.to_raw())."""
+    rows = [_Row(s.get("prefill_tokens", 0) > 0, s.get("decode_seqs", 0), mp[0], mp[1], c)
             for s, mp, c in zip(steps, _modelled(coef, steps), context(steps)) if mp is not None]
-    warm = [m / max(p, 1e-9) for _, m, p, c in rows if not c.cold and c.others_busy <= ALONE]
+    warm = [r.ratio for r in rows if not r.c.cold and r.c.others_busy <= ALONE]
     pace = statistics.median(warm) if len(warm) >= MIN_SAMPLES else 1.0  # a run on a slower box: not cold time
-    cold = [m - p * pace for _, m, p, c in rows if c.cold and c.others_busy <= ALONE]
+    cold = [r.m - r.p * pace for r in rows if r.c.cold and r.c.others_busy <= ALONE]
     cold_ms = statistics.median(cold) if len(cold) >= MIN_SAMPLES else None
     off = max(cold_ms or 0.0, 0.0)
     out: dict = {"cold_ms": None if cold_ms is None else max(cold_ms, 0.0), "samples": {"cold": len(cold)}}
     for kind, prefill in (("prefill", True), ("decode", False)):
-        mine = [((m - (off if c.cold else 0.0)) / max(p, 1e-9), c.others_busy) for pf, m, p, c in rows
-                if pf == prefill and c.others_busy >= TOGETHER]
-        alone = [m / max(p, 1e-9) for pf, m, p, c in rows if pf == prefill and not c.cold and c.others_busy <= ALONE]
+        mine = [((r.m - (off if r.c.cold else 0.0)) / max(r.p, 1e-9), r.c.others_busy) for r in rows
+                if r.prefill == prefill and r.c.others_busy >= TOGETHER]
+        alone = [r.ratio for r in rows if r.prefill == prefill and not r.c.cold and r.c.others_busy <= ALONE]
         base = statistics.median(alone) if len(alone) >= MIN_SAMPLES else pace
         x = None
         if len(mine) >= MIN_SAMPLES:  # the excess at the share these stepped beside, taken to all the others
             share = statistics.mean(b for _, b in mine)
-            x = max(1.0 + (statistics.median(r for r, _ in mine) / base - 1.0) / share, 1e-3)
+            x = max(1.0 + (statistics.median(q for q, _ in mine) / base - 1.0) / share, 1e-3)
         out[f"{kind}_x"] = x
         out["samples"][kind] = {"together": len(mine), "alone": len(alone)}
     for key, keep in (("decode_spread", lambda c: c.others_busy <= ALONE),
                       ("decode_spread_beside", lambda c: c.others_busy >= TOGETHER)):
-        rs = [m / max(p, 1e-9) for pf, m, p, c in rows if not pf and not c.cold and keep(c)]
+        rs = [(r.seqs, r.ratio) for r in rows if not r.prefill and not r.c.cold and keep(r.c)]
         out[key] = spread(rs) if len(rs) >= MIN_SPREAD else None
         out["samples"][key] = len(rs)
     return out
 
 
-def spread(ratios: list[float]) -> tuple[float, ...]:
-    """The quantiles at SPREAD_LEVELS of `ratios` over their median."""
-    r = np.asarray(ratios, dtype=float) / max(float(np.median(ratios)), 1e-9)
+@dataclass(frozen=True)
+class _Row:
+    prefill: bool  # the step has prefill tokens
+    seqs: int  # its decode sequences
+    m: float  # measured ms
+    p: float  # the step model's ms
+    c: StepContext
+
+    @property
+    def ratio(self) -> float:
+        return self.m / max(self.p, 1e-9)
+
+
+def spread(ratios: list[tuple[int, float]]) -> tuple[float, ...]:
+    """The quantiles at SPREAD_LEVELS of (batch size, measured / predicted) ratios, each over the median of its
+    batch size's (of all of them, for a batch size with fewer than MIN_SAMPLES steps): the step model's error
+    by step shape is not spread, and a probe's steps come in a few shapes it fits less well than a run's."""
+    by: dict[int, list[float]] = defaultdict(list)
+    for n, r in ratios:
+        by[n].append(r)
+    whole = float(np.median([r for _, r in ratios]))
+    mid = {n: float(np.median(rs)) if len(rs) >= MIN_SAMPLES else whole for n, rs in by.items()}
+    r = np.asarray([x / max(mid[n], 1e-9) for n, x in ratios], dtype=float)
     return tuple(float(q) for q in np.quantile(r, SPREAD_LEVELS))
 
 

@@ -23,7 +23,7 @@ import numpy as np
 REQUESTS = 8
 BURST = 8  # requests submitted together after them
 PROMPTS = (64, 256)  # prompt lengths drawn uniformly from this range
-OUTPUT = 16
+OUTPUT = 64  # tokens each: the first steps of a new decode batch run slower (measure.DECODE_LEAD); 16 left mostly those
 CO_REQUESTS = 12  # staggered, so that prefills run beside decodes
 CO_OUTPUT = 48
 STAGGER_STEPS = 4  # decode steps between one staggered submission and the next

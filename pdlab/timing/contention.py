@@ -203,8 +203,11 @@ def _modelled(coef: dict, steps: list[dict]) -> list[Optional[tuple[float, float
     """Each step's (measured ms, the step model's ms), in one prediction over all of them; None for a step
     that computed nothing or was preempted (pdlab.timing.records.samples leaves it out)."""
     out: list[Optional[tuple[float, float]]] = [None] * len(steps)
-    idx = [i for i, s in enumerate(steps) if samples([s])]
-    ss = samples([steps[i] for i in idx])
+    idx, ss = [], []
+    for i, s in enumerate(steps):
+        for sample in samples([s]):  # none, or the step as a sample
+            idx.append(i)
+            ss.append(sample)
     for i, sample, p in zip(idx, ss, predict(coef, ss) if ss else []):
         out[i] = (sample.ms, float(p))
     return out

@@ -39,6 +39,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import yaml
 
 from pdlab.constants import SPREAD_LEVELS, TRANSPORTS
@@ -159,8 +160,6 @@ class ContentionTiming(Section):
     def spread(self, u: float, others_busy: float) -> float:
         """A decode step's factor at probability `u` of its spread, for the share of the others stepping (1.0
         without a spread). Alone and beside are read at the same `u` and weighted by the share."""
-        import numpy as np
-
         alone = float(np.interp(u, SPREAD_LEVELS, self.decode_spread)) if self.decode_spread else 1.0
         beside = float(np.interp(u, SPREAD_LEVELS, self.decode_spread_beside)) if self.decode_spread_beside \
             else alone

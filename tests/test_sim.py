@@ -81,6 +81,28 @@ def test_disaggregated_hands_over_and_matches_unified_tokens():
         assert ph["transfer_end"] == pytest.approx(ph["admitted"]) and x["decode_worker"] == "decode0"
 
 
+@pytest.mark.parametrize("dep", [PULL, PUSH], ids=["pull", "push"])
+def test_a_decode_worker_admits_between_its_steps(dep):
+    """A decode worker reads landings and messages between steps: a request whose KV lands mid-step is admitted,
+    and its first token sent, when that step ends; its second token comes from a step that starts after
+    that, not from what was left of the one in progress."""
+    r = recipe({"pd": dep}, workload={"requests": 60, "input_len": {"kind": "fixed", "value": 40},
+                                      "output_len": {"kind": "fixed", "value": 32}}, rates=[10],
+               model={"preset": "tiny-llama", "timing": {"name": "t", "step": PREFILL, "kv_bytes_per_token": 512,
+                                                          "transfer": {"shm": {"gbps": 1, "latency_ms": 5}}}})
+    v = r.resolved("pd")
+    recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 10.0, seed=0, vocab_size=512), 10.0)
+    spans = [(s["start"], s["end"]) for s in steps if s["worker"] == "decode0"]
+    mid_step = 0
+    for x in recs:
+        first, ph = x["token_times"][0], x["phases"]
+        assert not any(a < first < b for a, b in spans), x["id"]
+        assert ph["admitted"] == first >= ph["transfer_end"]
+        mid_step += ph["admitted"] > ph["transfer_end"]
+        assert x["token_times"][1] in {b for a, b in spans if a >= first}  # a step that started after it
+    assert mid_step > 5  # the decode worker was stepping when most of them landed
+
+
 def test_the_simulators_tokens_come_from_the_kv_it_hands_over(monkeypatch):
     """The simulator copies a request's blocks between its engines' pools when a hand-over lands, and the
     decode engine samples from what it holds (pdlab.engine.timed): without the copy, tokens change."""

@@ -22,7 +22,9 @@ one ended (its own time in between: sending tokens, reading messages); a request
 after the router took it, and the router takes requests one at a time, `send_ms` apart (a burst reaches the
 workers spread out, as a run's does); a hand-over reaches the decode side `handoff_ms` after the prefill ended
 (pull: the transfer starts then, and not before the decode worker's current step is over, since a worker reads its
-messages between steps; push: the decode worker admits the request that long after the KV landed). So
+messages between steps; push: the decode worker admits the request that long after the KV landed). A
+request whose KV lands while its decode worker steps is admitted, and its first token sent, when that step
+ends: a worker reads its landings between steps, and its second token is a whole step later. So
 simulated TTFT and ITL carry the time a run's do around its steps. Tokens are stamped at step ends.
 
 Contention (the profile's `contention`, pdlab.timing.contention): a step takes prefill_x (decode_x for a
@@ -279,12 +281,15 @@ class Simulator:
             skip = r.reservation.cached_blocks  # held by decode's prefix cache: not sent
             copy_blocks(p.engine.kv, r.src_blocks[skip:], d.engine.kv, r.reservation.block_ids[skip:])
             d.clock.advance_to(now)
-            d.engine.admit(rid, r.first)
-            r.phases["admitted"] = now
+            d.engine.admit(rid, r.first)  # its next step takes the request: the one in progress has its batch
+            # a worker reads its messages and landings between steps: mid-step, the request is admitted, and
+            # its first token sent, when the step ends (the token 2 then follows one gap and one step later)
+            admitted = max(now, d.step_end) if d.step_end is not None else now
+            r.phases["admitted"] = admitted
             p.engine.release(rid)
             p.holds.discard(rid)
             if self.first_token == "decode":
-                self._token(r, r.first, now)
+                self._token(r, r.first, admitted)
             self._reserve_waiting(now)
         elif kind == "handed":  # pull: the decode side has the hand-over; it reserves and pulls
             self._waiting_room.append(rid)

@@ -228,7 +228,7 @@ def test_host_time_from_records():
     reqs = [req(2.0, 2.002, 2.1, 2.104), req(3.0, 3.003, 3.1, 3.106), req(4.0, 4.0035, 4.1, 4.105),
             req(4.05, 4.105, 4.2, 4.3)]  # the last arrived while prefill0 was stepping: not a clean hop
     h = host_times(steps, reqs)
-    assert h["samples"] == {"gaps": 5, "hops": 3, "handoffs": 3, "sends": 0}  # no request waited behind another
+    assert h["samples"] == {"gaps": 5, "hops": 3, "handoffs": 3, "sends": 0, "admits": 0}  # none queued, none admitted
     assert h["gap_ms"] == pytest.approx(1.0) and h["hop_ms"] == pytest.approx(3.0)
     assert h["handoff_ms"] == pytest.approx(5.0)
     assert host_raw({"gap_ms": 1.0, "hop_ms": 3.0, "handoff_ms": None}) == {"gap_ms": 1.0, "hop_ms": 3.0,
@@ -358,3 +358,24 @@ def test_ctrl_c_ends_pdlab_profile_and_its_measuring_process(tmp_path):
     while any(running(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert kids and not [k for k in kids if running(k)] and not out.exists()  # no orphan, no file
+
+
+def test_admit_time_is_a_decode_workers_gap_beyond_its_plain_one_per_hand_over_admitted():
+    """A decode worker's gaps between back-to-back steps are 0.2 ms; one with a hand-over admitted in it is
+    0.8 ms, one with two 1.4 ms: 0.6 ms a hand-over. A unified worker's admits nothing of the kind."""
+    steps, reqs, t = [], [], 1.0
+    for i in range(30):
+        steps.append({"variant": "v", "rate": 1.0, "repeat": 0, "worker": "decode0", "role": "decode",
+                      "start": t, "end": t + 0.004, "running": 2})
+        n = 1 if i % 5 == 1 else 2 if i % 5 == 3 else 0
+        for j in range(n):  # admitted in the gap after this step
+            reqs.append({"variant": "v", "rate": 1.0, "repeat": 0, "ok": True, "arrival": t - 0.1,
+                         "prefill_worker": "prefill0", "decode_worker": "decode0",
+                         "phases": {"admitted": t + 0.004 + 0.0001 * (j + 1)}})
+        t += 0.004 + 0.0002 + 0.0006 * n
+    h = host_times(steps, reqs)
+    assert h["admit_ms"] == pytest.approx(0.6) and h["samples"]["admits"] == 12  # gaps with hand-overs
+    assert h["gap_ms"] == pytest.approx(0.2)
+    unified = [dict(s, worker="unified0", role="unified") for s in steps]
+    assert host_times(unified, [dict(r, prefill_worker="unified0", decode_worker="unified0") for r in reqs]
+                      )["admit_ms"] is None

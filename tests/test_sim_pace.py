@@ -109,3 +109,32 @@ def test_a_burst_reaches_the_workers_send_ms_apart():
     assert sorted(round((r["phases"]["queued"] - recs[0]["arrival"]) * 1e3, 6) for r in recs) == \
         [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]
     assert host_times([], recs)["send_ms"] == pytest.approx(0.5)
+
+
+def test_a_decode_worker_spends_admit_ms_on_each_hand_over_before_its_next_step():
+    """A decode worker's own time per hand-over it admits (host.admit_ms) is added before its next step, and
+    the run's records of the simulation read it back (pdlab.timing.host.admits) as they read a run's."""
+    def run(admit_ms):
+        raw = {"model": {"preset": "tiny-llama", "timing": {"name": "t", "step": TIMING, "kv_bytes_per_token": 512,
+                                                            "transfer": {"shm": {"gbps": 1, "latency_ms": 3}},
+                                                            "host": {"gap_ms": 0.2, "admit_ms": admit_ms}}},
+               "engine": {"block_size": 8, "kv_blocks": 512, "max_running": 32},
+               "workload": {"requests": 40, "input_len": {"kind": "fixed", "value": 30},
+                            "output_len": {"kind": "fixed", "value": 24}},
+               "rates": [20], "slo": {"ttft_ms": 1000, "itl_ms": 50},
+               "variants": {"v": {"deployment": {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]},
+                                                  "mode": "pull"}}}}
+        v = parse_recipe(raw).resolved("v")
+        recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 20.0, seed=1, vocab_size=512), 20.0)
+        return recs, steps
+
+    recs, steps = run(2.0)
+    dec = sorted((s for s in steps if s["worker"] == "decode0"), key=lambda s: s["start"])
+    for r in recs:  # the decode worker's first step after each admission starts 2 ms or more after it
+        t = r["phases"]["admitted"]
+        nxt = next(s for s in dec if s["start"] >= t)
+        assert nxt["start"] - t >= 0.002 - 1e-9
+    assert host_times(steps, recs)["admit_ms"] == pytest.approx(2.0, rel=0.05)
+    recs0, steps0 = run(0.0)
+    assert host_times(steps0, recs0)["admit_ms"] == pytest.approx(0.0, abs=1e-6)
+    assert {r["id"]: r["output_ids"] for r in recs} == {r["id"]: r["output_ids"] for r in recs0}

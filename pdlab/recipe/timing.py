@@ -105,6 +105,8 @@ class HostTiming(Section):
                                   "-> decode)", _ms)
     send_ms: float = spec(0.0, f"{MS} (the harness and router's own time per request: requests due together reach "
                                "the router this far apart, as a burst does)", _ms)
+    admit_ms: float = spec(0.0, f"{MS} (a decode worker's own time per hand-over it admits, beyond gap_ms: reading "
+                                "it, reserving and pulling, admitting, sending its first token)", _ms)
 
 
 def _factor(v: Any) -> float:

@@ -24,7 +24,8 @@ workers spread out, as a run's does); a hand-over reaches the decode side `hando
 (pull: the transfer starts then, and not before the decode worker's current step is over, since a worker reads its
 messages between steps; push: the decode worker admits the request that long after the KV landed). A
 request whose KV lands while its decode worker steps is admitted, and its first token sent, when that step
-ends: a worker reads its landings between steps, and its second token is a whole step later. So
+ends: a worker reads its landings between steps, and its second token is a whole step later; each hand-over
+it admits puts `admit_ms` more before its next step (its own time for it: reserving, pulling, admitting). So
 simulated TTFT and ITL carry the time a run's do around its steps. Tokens are stamped at step ends.
 
 Contention (the profile's `contention`, pdlab.timing.contention): a step takes prefill_x (decode_x for a
@@ -156,7 +157,7 @@ class Simulator:
         self.xfer = self.timing.transfer_of(dep.transport) if dep.disaggregated else None
         host = self.timing.host
         self.gap_s, self.hop_s, self.handoff_s = host.gap_ms / 1e3, host.hop_ms / 1e3, host.handoff_ms / 1e3
-        self.send_s = host.send_ms / 1e3
+        self.send_s, self.admit_s = host.send_ms / 1e3, host.admit_ms / 1e3
         stand_in = load_stand_in(variant.model)
         self.workers: dict[str, _Worker] = {}
         unknown = set(paces or {}) - {w.name for w in dep.workers}
@@ -285,6 +286,7 @@ class Simulator:
             # a worker reads its messages and landings between steps: mid-step, the request is admitted, and
             # its first token sent, when the step ends (the token 2 then follows one gap and one step later)
             admitted = max(now, d.step_end) if d.step_end is not None else now
+            d.free_at = max(d.free_at, admitted) + self.admit_s  # its own time for it, before its next step
             r.phases["admitted"] = admitted
             p.engine.release(rid)
             p.holds.discard(rid)

@@ -9,7 +9,8 @@ from pdlab.recipe import parse_recipe
 from pdlab.recipe.timing import ContentionTiming, StepTiming, parse_timing
 from pdlab.fields import RecipeError
 from pdlab.sim.simulator import Simulator
-from pdlab.timing.contention import context, contention_raw, describe, estimate, predicted_ms
+from pdlab.timing.contention import (AFTER_STEPS, after_prefill_fit, context, contention_raw, describe, estimate,
+                                     predicted_ms)
 from pdlab.timing.replay import worker_paces
 from pdlab.workload import build_requests
 
@@ -253,3 +254,57 @@ def test_the_simulator_draws_decode_steps_from_the_spread_and_repeats_exactly():
     got = est["decode_spread_beside"] or est["decode_spread"]
     want = np.array(qs) / np.interp(0.5, SPREAD_LEVELS, qs)
     assert got[SPREAD_LEVELS.index(0.9)] == pytest.approx(want[SPREAD_LEVELS.index(0.9)], rel=0.08)
+
+
+def test_the_after_prefill_fit_reads_a_geometric_fall_back():
+    """Decode steps after a prefill at 1 + 0.5 x 0.6^k of settled ones read back x1.5, decay 0.6; with fewer
+    than MIN_SAMPLES at any k, or nothing left after a prefill, no figure or x1 decay 0."""
+    by_k = {k: [1.0 + 0.5 * 0.6 ** k] * 6 for k in range(AFTER_STEPS)}
+    assert after_prefill_fit(by_k, [1.0] * 8) == pytest.approx((1.5, 0.6))
+    assert after_prefill_fit({**by_k, 3: [1.0] * 2}, [1.0] * 8) is None
+    assert after_prefill_fit({k: [1.0] * 6 for k in range(AFTER_STEPS)}, [1.0] * 8) == pytest.approx((1.0, 0.0))
+
+
+def after_prefill_steps(x, decay, rounds=8):
+    """Worker u decodes 2 sequences; every 20 steps it prefills 64 tokens; each decode step k steps after it
+    takes 1 + (x - 1) decay^k its model."""
+    steps, t = [], 1.0
+    for _ in range(rounds):
+        ms = model_ms(prefill=64, decode=2)
+        steps.append(step("u", t, ms, prefill=64, decode=2))
+        t += ms / 1e3 + 0.0002
+        for k in range(20):
+            ms = model_ms(decode=2) * (1 + (x - 1) * decay ** k)
+            steps.append(step("u", t, ms, decode=2))
+            t += ms / 1e3 + 0.0002
+    return steps
+
+
+def test_the_estimate_reads_what_a_prefill_leaves_to_the_decode_steps_after_it():
+    est = estimate(StepTiming(**STEP).to_raw(), after_prefill_steps(1.4, 0.7))
+    assert est["after_prefill_x"] == pytest.approx(1.4, rel=0.01)
+    assert est["after_prefill_decay"] == pytest.approx(0.7, abs=0.02)
+    assert "a decode step after a prefill x1.4" in describe(contention_raw(est))
+    flat = estimate(StepTiming(**STEP).to_raw(), after_prefill_steps(1.0, 0.0))
+    assert flat["after_prefill_x"] == pytest.approx(1.0) and flat["after_prefill_decay"] == pytest.approx(0.0)
+    decode_only = [s for s in after_prefill_steps(1.4, 0.7) if not s["prefill_tokens"]]
+    assert estimate(StepTiming(**STEP).to_raw(), decode_only)["after_prefill_x"] is None  # a decode worker's
+
+
+def test_the_simulator_slows_the_decode_steps_after_a_prefill_and_the_estimate_reads_it_back():
+    con = {"after_prefill_x": 1.5, "after_prefill_decay": 0.5}
+    v, slo = variant(con, UNIFIED2)
+    reqs = build_requests(v.workload, 40.0, seed=1, vocab_size=256)
+    recs, steps, _ = Simulator(v, slo).run(reqs, 40.0)
+    bare_recs = Simulator(*variant({}, UNIFIED2)).run(reqs, 40.0)[0]
+    assert {r["id"]: r["output_ids"] for r in recs} == {r["id"]: r["output_ids"] for r in bare_recs}
+    for w in ("unified0", "unified1"):
+        since = None
+        for s in sorted((s for s in steps if s["worker"] == w), key=lambda s: s["start"]):
+            x = 1.0 if s["prefill_tokens"] or since is None else 1 + 0.5 * 0.5 ** since  # k decode steps after one
+            took = (s["end"] - s["start"]) * 1e3
+            assert took == pytest.approx(model_ms(s["prefill_tokens"], s["decode_seqs"]) * x), (w, s, since)
+            since = 0 if s["prefill_tokens"] else None if since is None else since + 1
+    est = estimate(StepTiming(**STEP).to_raw(), steps)
+    assert est["after_prefill_x"] == pytest.approx(1.5, rel=0.02)
+    assert est["after_prefill_decay"] == pytest.approx(0.5, abs=0.05)

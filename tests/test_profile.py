@@ -21,6 +21,8 @@ from pdlab.recipe import RecipeError, StepTiming, TimingProfile, load_profile
 from pdlab.recipe.timing import shipped_profiles
 from pdlab.timing.fit import (KINDS, TERMS, StepSample, by_kind, errors, fit_steps, fit_transfer, nnls,
                               split_by_case)
+from pdlab.timing import after_prefill
+from pdlab.timing.contention import AFTER_STEPS
 from pdlab.timing.measure import DECODE_LEAD, PRIMER_BLOCKS, Case, Limits, PoolSlices, Primer, design, run_case
 from pdlab.timing.process import MeasureError, job_for, measure
 from pdlab.timing.write import profile_raw, write_profile
@@ -265,6 +267,10 @@ def test_steps_are_measured_in_a_process_set_up_as_a_worker(tiny):
         k: c.to_dict() for k, c in here.items() if k != PACKED_LINEAR}
     assert res["malloc_tuned"] == tune_malloc()
     assert len(res["steps"]) >= 20 and {k for k in res["case_kinds"]} == set(KINDS)
+    after = res["after_prefill"]  # pdlab.timing.after_prefill, in the same process
+    cases = len(after_prefill.CASES) * after_prefill.REPEATS
+    assert [len(x) for x in after["by_k"]] == [cases] * AFTER_STEPS
+    assert len(after["settled"]) == after_prefill.SETTLED * cases and all(r > 0 for r in after["settled"])
     with pytest.raises(MeasureError, match="no-such-model"):  # the loader's one line, from the child
         measure(job_for("no-such-model", "float32", "cpu", [core], 20, 0))
 
@@ -282,6 +288,7 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     assert any(getattr(t.step, k) > 0 for k in TERMS)
     assert set(t.kernels) == {*CPU_KERNELS, PACKED_LINEAR} and all("use" in c and "why" in c for c in t.kernels.values())
     assert t.host.gap_ms > 0 and t.host.hop_ms > 0 and t.host.handoff_ms > 0  # from a real 1P1D deployment
+    assert t.contention.after_prefill_x > 0 and 0 <= t.contention.after_prefill_decay <= 1  # measured beside
     f = t.fit
     assert f["train_steps"] > 0 and f["test_steps"] > 0
     assert f["train_steps"] + f["test_steps"] == sum(f["steps_by_kind"].values()) >= 24
@@ -289,6 +296,7 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     assert set(f["held_out_by_kind"]) == set(KINDS)
     assert f["dtype"] == "float32" and f["threads"] == 1 and f["cores"] == [sorted(os.sched_getaffinity(0))[-1]]
     assert 0 < f["cpu_share"] <= 1.05 and f["host"]["samples"]["hops"] >= 3
+    assert f["after_prefill"]["steps"] > 0
 
 
 def test_profile_command_line(tmp_path):

@@ -138,6 +138,9 @@ class ContentionTiming(Section):
     not. A step with prefill tokens takes `prefill_x` times its model while every other worker steps too
     (`decode_x` a decode-only step; linear in the share of the others stepping), and a step that starts
     constants.COLD_AFTER_MS or more after its worker's last one takes `cold_ms` more (its caches went cold).
+    A decode-only step k steps after its worker's last step with prefill tokens takes 1 + (`after_prefill_x` -
+    1) x `after_prefill_decay`^k times its model (k = 0: the next one): the prefill's work evicted the decode's
+    weights and KV from the caches.
 
     A decode-only step also spreads around that time: `decode_spread` (alone) and `decode_spread_beside` (all
     other workers stepping) are the quantiles, at constants.SPREAD_LEVELS, of such steps' measured over
@@ -149,6 +152,10 @@ class ContentionTiming(Section):
     decode_x: float = spec(1.0, "a number > 0 (a decode-only step, all other workers stepping: x its model)",
                            _factor)
     cold_ms: float = spec(0.0, f"{MS} (added to a step that starts after its worker idled)", _ms)
+    after_prefill_x: float = spec(1.0, "a number > 0 (a decode-only step right after its worker's step with "
+                                       "prefill tokens: x its model)", _factor)
+    after_prefill_decay: float = spec(0.0, "a number in [0, 1] (how much of after_prefill_x's excess each later "
+                                           "decode step keeps)", to_float(0.0, 1.0, lo_open=False))
     decode_spread: tuple[float, ...] = spec((), _SPREAD + ", alone", _spread)
     decode_spread_beside: tuple[float, ...] = spec((), _SPREAD + ", all other workers stepping", _spread)
 
@@ -167,13 +174,23 @@ class ContentionTiming(Section):
             else alone
         return alone + (beside - alone) * others_busy
 
+    def after_prefill(self, since: Optional[int]) -> float:
+        """A decode-only step's factor `since` decode steps after its worker's last step with prefill tokens
+        (0: right after it; None: none yet)."""
+        if since is None or self.after_prefill_x == 1.0:
+            return 1.0
+        return 1.0 + (self.after_prefill_x - 1.0) * self.after_prefill_decay ** since
+
     def step_s(self, model_s: float, has_prefill: bool, others_busy: float, cold: bool,
-               u: Optional[float] = None) -> float:
+               u: Optional[float] = None, since_prefill: Optional[int] = None) -> float:
         """A step's time from its model's, the share of the other workers stepping at its start and whether
-        its worker idled before it; with `u` (a uniform draw), a decode-only step is drawn from its spread."""
+        its worker idled before it; with `u` (a uniform draw), a decode-only step is drawn from its spread, and
+        with `since_prefill`, it carries what its worker's last prefill left (after_prefill)."""
         x = self.prefill_x if has_prefill else self.decode_x
+        extra = 1.0 if has_prefill else self.after_prefill(since_prefill)
         spread = self.spread(u, others_busy) if u is not None and not has_prefill else 1.0
-        return model_s * (1.0 + (x - 1.0) * others_busy) * spread + (self.cold_ms / 1000.0 if cold else 0.0)
+        return (model_s * (1.0 + (x - 1.0) * others_busy) * extra * spread
+                + (self.cold_ms / 1000.0 if cold else 0.0))
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,8 @@ decode-only step) times its model when every other worker steps beside it throug
 its modelled time they do: one with work steps throughout, one without until its step in progress ends), and
 cold_ms more when its worker's last step ended constants.COLD_AFTER_MS
 or more before it (its first step included: a run's workers wait for their first request). A decode-only step
-is drawn from the profile's decode spreads where it has them (alone and beside, weighted by the same share).
+is drawn from the profile's decode spreads where it has them (alone and beside, weighted by the same share),
+and carries after_prefill_x's excess, decayed by after_prefill_decay a step, after its worker's last prefill.
 
 A worker's pace (pdlab.sim.pace.WorkerPace, given per worker: a run replayed at its own pace) scales its
 steps by its factor at the rate being simulated, and draws its gaps from the quantiles it carries.
@@ -90,6 +91,7 @@ class _Contended:
         self.start, self.cold, self.others = 0.0, False, []
         self.spreads = bool(contention.decode_spread or contention.decode_spread_beside)
         self.rng = random.Random(0)
+        self.since_prefill: Optional[int] = None  # decode-only steps since its last with prefill tokens
 
     def reseed(self, rate: float, repeat: int) -> None:
         self.rng.seed(zlib.crc32(f"{self.worker}/{rate_tag(rate)}/{repeat}".encode()))  # stable across processes
@@ -107,7 +109,10 @@ class _Contended:
     def step_s(self, *counts: int) -> float:
         s = self.inner.step_s(*counts)
         u = self.rng.random() if self.spreads else None
-        return self.contention.step_s(s, counts[0] > 0, self.share(s), self.cold, u)
+        prefill = counts[0] > 0
+        out = self.contention.step_s(s, prefill, self.share(s), self.cold, u, self.since_prefill)
+        self.since_prefill = 0 if prefill else None if self.since_prefill is None else self.since_prefill + 1
+        return out
 
 
 @dataclass

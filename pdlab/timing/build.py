@@ -14,7 +14,7 @@ from pdlab.constants import PROFILE_MAX_P90_PCT, PROFILE_MIN_R2
 BUSY_SHARE = 0.9  # a measuring process with less of its core than this: the box was busy
 from pdlab.engine.timed import StepCounts
 from pdlab.timing import fit as F
-from pdlab.timing.contention import SPREADS, contention_raw, describe, estimate
+from pdlab.timing.contention import SPREADS, after_prefill_fit, contention_raw, describe, estimate
 from pdlab.timing.host import host_raw
 from pdlab.timing.write import profile_raw
 
@@ -102,6 +102,14 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                                         "contention); cold_ms and the decode spreads kept, prefill_x and decode_x "
                                         "from a run's steps (pdlab profile --check RUN --profile FILE "
                                         "--write-host)"}
+    fitted = after_prefill_fit(dict(enumerate(res["after_prefill"]["by_k"])), res["after_prefill"]["settled"]) \
+        if res.get("after_prefill") else None
+    if fitted is not None:  # pdlab.timing.after_prefill: measured in the worker-like process, beside the steps
+        contention = {**(contention or {}), "after_prefill_x": round(fitted[0], 4),
+                      "after_prefill_decay": round(fitted[1], 4)}
+        fit["after_prefill"] = {"steps": len(res["after_prefill"]["settled"]),
+                                "how": "a decode batch's steps right after a prefill on its engine over its settled "
+                                       "ones (pdlab.timing.after_prefill)"}
     raw = profile_raw(name=name, source="measured", device=res["device"], date=datetime.date.today().isoformat(),
                       model=model, step=coef, kv_bytes_per_token=res["kv_bytes_per_token"],
                       kv_memory_gb=res["kv_memory_gb"], transfer=usable, fit=fit,
@@ -134,6 +142,8 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                       f"{describe(fit['contention']['probed'])} (samples: {fit['contention']['samples']}); kept: "
                       f"{describe(contention or {})}, the factors beside stepping workers come from a run's steps "
                       "(pdlab profile --check RUN --profile FILE --write-host)")
+    if fitted is not None and not fit.get("contention"):
+        report.append(f"contention: {describe(contention or {})}")
     report += [f"warning: {w}" for w in warnings]
     return raw, report
 

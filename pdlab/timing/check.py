@@ -118,7 +118,8 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         pace = c.get("pace")
         con = c.get("contention") or {}
         pc = c["profile_contention"]
-        contention = ", ".join([f"{k} {con[k]:.3g} ({pc.get(k, 0):.3g})" for k in ("prefill_x", "decode_x", "cold_ms")
+        contention = ", ".join([f"{k} {con[k]:.3g} ({pc.get(k, 0):.3g})" for k in ("prefill_x", "decode_x", "cold_ms",
+                                                                                  "after_prefill_x")
                                 if con.get(k) is not None] +
                                [f"{k} {tail(con[k])} ({tail(pc[k]) if pc.get(k) else 'none'})" for k in SPREADS
                                 if con.get(k)])

@@ -29,6 +29,11 @@ the profile's ContentionTiming from steps and the step model that predicts them:
   beside a prefill worker spread to x1.44-1.49 at p99 (alone x1.16-1.28) with their median at x1.0-1.05: a
   run's p99 ITL is that tail, which a mean factor does not give.
 
+- after_prefill_x, after_prefill_decay: a decode-only step right after its worker's step with prefill tokens
+  over settled ones (SETTLED_AFTER or more decode steps after one), and how much of that excess each next
+  decode step keeps (after_prefill_fit). Unified workers on the 2-core Xeon: x1.33-1.61 right after, x1.19-1.39
+  the next, about x0.7 of the excess kept each step. A disaggregated decode worker never prefills: none.
+
 A figure with fewer than MIN_SAMPLES steps behind it is not estimated (None); a spread, with fewer than
 MIN_SPREAD.
 """
@@ -49,6 +54,8 @@ from pdlab.timing.records import samples
 
 MIN_SAMPLES = 5
 MIN_SPREAD = 20  # steps behind a spread: its p99 is then about the largest of them
+AFTER_STEPS = 6  # decode steps after a prefill the after-prefill fit reads (k = 0..5)
+SETTLED_AFTER = 12  # decode steps after a prefill that count as settled (its excess gone: x1.02-1.09 by then)
 # shares of the others stepping (time-weighted) that count as alone and as stepping together: a worker stepping
 # back to back covers ~90-95% of the time (its gaps between steps), so together starts below that
 ALONE, TOGETHER = 0.1, 0.75
@@ -58,6 +65,7 @@ ALONE, TOGETHER = 0.1, 0.75
 class StepContext:
     others_busy: float  # the share of the other workers stepping during the step, time-weighted (0 with none)
     idle_ms: Optional[float]  # since the worker's previous step ended; None: its first step
+    since_prefill: Optional[int] = None  # decode-only steps since its worker's last one with prefill tokens
 
     @property
     def cold(self) -> bool:
@@ -79,13 +87,14 @@ def context(steps: list[dict]) -> list[StepContext]:
         spans = {w: _Spans(sorted((steps[i]["start"], steps[i]["end"]) for i in idx)) for w, idx in workers.items()}
         for w, idx in workers.items():
             others = [spans[o] for o in spans if o != w]
-            prev_end = None
+            prev_end, since = None, None
             for i in sorted(idx, key=lambda i: steps[i]["start"]):
                 a, b = steps[i]["start"], steps[i]["end"]
                 busy = sum(sp.overlap(a, b) for sp in others) / (max(b - a, 1e-9) * len(others)) if others else 0.0
                 idle = None if prev_end is None else max(0.0, a - prev_end) * 1e3
-                out[i] = StepContext(min(busy, 1.0), idle)
+                out[i] = StepContext(min(busy, 1.0), idle, since)
                 prev_end = b
+                since = 0 if steps[i].get("prefill_tokens") else None if since is None else since + 1
     return out  # type: ignore[return-value]
 
 
@@ -127,6 +136,12 @@ def estimate(coef: dict, steps: list[dict]) -> dict:
             x = max(1.0 + (statistics.median(q for q, _ in mine) / base - 1.0) / share, 1e-3)
         out[f"{kind}_x"] = x
         out["samples"][kind] = {"together": len(mine), "alone": len(alone)}
+    decode = [r for r in rows if not r.prefill and not r.c.cold]
+    fitted = after_prefill_fit({k: [r.ratio for r in decode if r.c.since_prefill == k] for k in range(AFTER_STEPS)},
+                               [r.ratio for r in decode if r.c.since_prefill is None
+                                or r.c.since_prefill >= SETTLED_AFTER])
+    out["after_prefill_x"], out["after_prefill_decay"] = fitted or (None, None)
+    out["samples"]["after_prefill"] = sum(1 for r in decode if r.c.since_prefill == 0)
     for key, keep in (("decode_spread", lambda c: c.others_busy <= ALONE),
                       ("decode_spread_beside", lambda c: c.others_busy >= TOGETHER)):
         rs = [(r.seqs, r.ratio) for r in rows if not r.prefill and not r.c.cold and keep(r.c)]
@@ -148,6 +163,20 @@ class _Row:
         return self.m / max(self.p, 1e-9)
 
 
+def after_prefill_fit(by_k: dict[int, list[float]], settled: list[float]) -> Optional[tuple[float, float]]:
+    """(after_prefill_x, after_prefill_decay) from decode steps' measured / predicted by k, the decode steps
+    since their worker's last prefill (0..AFTER_STEPS-1), over the median of `settled` ones (SETTLED_AFTER or
+    more after one, or none before): x is k = 0's, and the decay the ratio of the excesses' sums over k >= 1
+    and k < AFTER_STEPS - 1 (exact for a geometric fall). None with fewer than MIN_SAMPLES at any k or
+    settled."""
+    if len(settled) < MIN_SAMPLES or any(len(by_k.get(k, ())) < MIN_SAMPLES for k in range(AFTER_STEPS)):
+        return None
+    base = statistics.median(settled)
+    excess = [max(statistics.median(by_k[k]) / base - 1.0, 0.0) for k in range(AFTER_STEPS)]
+    decay = sum(excess[1:]) / sum(excess[:-1]) if sum(excess[:-1]) > 0 else 0.0
+    return 1.0 + excess[0], min(max(decay, 0.0), 1.0)
+
+
 def spread(ratios: list[tuple[int, float]]) -> tuple[float, ...]:
     """The quantiles at SPREAD_LEVELS of (batch size, measured / predicted) ratios, each over the median of its
     batch size's (of all of them, for a batch size with fewer than MIN_SAMPLES steps): the step model's error
@@ -162,7 +191,7 @@ def spread(ratios: list[tuple[int, float]]) -> tuple[float, ...]:
 
 
 SPREADS = ("decode_spread", "decode_spread_beside")
-FIGURES = ("prefill_x", "decode_x", "cold_ms") + SPREADS  # a profile's `contention` keys
+FIGURES = ("prefill_x", "decode_x", "cold_ms", "after_prefill_x", "after_prefill_decay") + SPREADS  # its keys
 
 
 def contention_raw(est: dict) -> dict:
@@ -185,6 +214,8 @@ def describe(raw: dict) -> str:
     spreads = [f"{tail(raw[k])} {'beside' if k.endswith('beside') else 'alone'}" for k in SPREADS if raw.get(k)]
     parts = ([", ".join(beside) + " beside stepping workers"] if beside else []) + (
         [f"a cold step +{raw['cold_ms']:.3g} ms"] if raw.get("cold_ms") is not None else []) + (
+        [f"a decode step after a prefill x{raw['after_prefill_x']:.3g}, each next one keeping "
+         f"{raw.get('after_prefill_decay', 0.0):.2g} of the excess"] if raw.get("after_prefill_x") is not None else []) + (
         ["decode steps spread " + ", ".join(spreads)] if spreads else [])
     return "; ".join(parts) or "none"
 
@@ -195,7 +226,7 @@ def predicted_ms(profile: object, steps: list[dict]) -> list[Optional[float]]:
     coef = profile.step.to_raw()  # type: ignore[attr-defined]
     con = profile.contention  # type: ignore[attr-defined]
     return [None if mp is None else 1e3 * con.step_s(mp[1] / 1e3, s.get("prefill_tokens", 0) > 0, c.others_busy,
-                                                      c.cold)
+                                                      c.cold, since_prefill=c.since_prefill)
             for s, mp, c in zip(steps, _modelled(coef, steps), context(steps))]
 
 

@@ -215,10 +215,10 @@ class Primer:
             self.eng.abort(rid)
 
 
-def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0, block_size: int = 16,
-             primer: Optional[Primer] = None, pool: Optional[PoolSlices] = None) -> list[StepSample]:
-    """Run one case on a fresh engine (after `primer`'s warm-up steps), its pool a slice of `pool` when
-    given; the steps it recorded."""
+def case_engine(model: Any, case: Case, rng: np.random.Generator, block_size: int = 16,
+                pool: Optional[PoolSlices] = None, room: int = 0) -> Any:
+    """A fresh engine (prefix cache off) holding `case`'s decoders, admitted with random KV, and its prompts;
+    its pool a slice of `pool` when given; `room`: requests it may hold beyond the case's."""
     import torch
 
     from pdlab.engine import Engine, EngineConfig, SamplingParams
@@ -227,11 +227,8 @@ def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0,
     lead, need = case.lead, case.blocks(block_size)
     cfg = EngineConfig(block_size=block_size, kv_blocks=2 * need + 16, token_budget=case.budget,
                        chunked_prefill=case.chunked, prefix_caching=False,
-                       max_running=max(1, len(case.decoders) + len(case.prompts)))
+                       max_running=max(1, len(case.decoders) + len(case.prompts) + room))
     eng = Engine(model, cfg, kv_alloc=pool.head if pool else None)
-    cuda = eng.device.type == "cuda"
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    take = _observe(eng)
     for i, ctx in enumerate(case.decoders):
         rid = f"d{i}"
         res = eng.reserve(rid, rng.integers(3, vocab, size=ctx).tolist(), first_token=int(rng.integers(3, vocab)),
@@ -244,6 +241,20 @@ def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0,
         eng.admit(rid)
     for i, n in enumerate(case.prompts):
         eng.add(f"p{i}", rng.integers(3, vocab, size=n).tolist(), SamplingParams(max_tokens=1, ignore_eos=True))
+    return eng
+
+
+def run_case(model: Any, case: Case, rng: np.random.Generator, case_id: int = 0, block_size: int = 16,
+             primer: Optional[Primer] = None, pool: Optional[PoolSlices] = None) -> list[StepSample]:
+    """Run one case on a fresh engine (after `primer`'s warm-up steps), its pool a slice of `pool` when
+    given; the steps it recorded."""
+    import torch
+
+    eng = case_engine(model, case, rng, block_size, pool)
+    lead = case.lead
+    cuda = eng.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    take = _observe(eng)
     out: list[StepSample] = []
     gc.collect()
     if primer is not None:

@@ -12,7 +12,8 @@ figures were a third of the workers' and nothing noticed. Here the child:
   malloc tuning (pdlab.engine.host_malloc), fused projections and the per-machine kernel choice
   (pdlab.engine.kernel_check, the same cache and PDLAB_CPU_KERNEL), and a pool of a worker's size allocated
   as its pool is; every case's engine works in slices of that pool (pdlab.timing.measure.PoolSlices);
-- reports which kernels it ran (`runner.kernels`), whether malloc tuning took, the device and the steps.
+- reports which kernels it ran (`runner.kernels`), whether malloc tuning took, the device and the steps,
+  and what a prefill leaves to the decode steps after it (pdlab.timing.after_prefill).
 
 Parent and child exchange JSON over a pipe (plain data, no pickle). Ctrl-C in the parent ends the child.
 """
@@ -121,8 +122,9 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     from pdlab.engine import Engine, EngineConfig, load_model
     from pdlab.engine.host_malloc import tune_malloc
     from pdlab.engine.model import model_dims
-    from pdlab.timing.measure import (PRIMER_BLOCKS, Limits, PoolSlices, describe_device, design, kv_memory_gb,
-                                      measure_steps, probe_transfers, warmup_cases)
+    from pdlab.timing.after_prefill import measure_after_prefill
+    from pdlab.timing.measure import (PRIMER_BLOCKS, Limits, PoolSlices, Primer, describe_device, design,
+                                      kv_memory_gb, measure_steps, probe_transfers, warmup_cases)
 
     model = load_model(job.model, dtype=job.dtype, device=job.device, seed=0)
     dims = model_dims(model)
@@ -152,8 +154,10 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
             last = time.monotonic()
             say(f"  {done}/{len(cases)} cases, {n} steps, {last - t0:.0f} s")
 
-    samples = measure_steps(model, cases, lim, rng, progress, pool=PoolSlices(worker.kv))
+    slices = PoolSlices(worker.kv)
+    samples = measure_steps(model, cases, lim, rng, progress, pool=slices)
     took = time.monotonic() - t0
+    after = measure_after_prefill(model, rng, pool=slices, primer=Primer(model, rng, pool=slices))
     if not cuda:
         paces.append(pace_ms())
     kv_per_token = worker.block_bytes // worker.config.block_size
@@ -163,6 +167,6 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
             "kv_bytes_per_token": kv_per_token, "kernels": kernels, "malloc_tuned": bool(tune_malloc()),
             "torch": str(torch.__version__), "measured_s": took, "pace_ms": paces, "case_kinds": [c.kind for c in cases],
             "max_context": lim.max_context, "max_batch": lim.max_batch,
-            "steps": [[s.counts.to_dict(), s.ms, s.case, s.cpu_ms] for s in samples],
+            "steps": [[s.counts.to_dict(), s.ms, s.case, s.cpu_ms] for s in samples], "after_prefill": after,
             "transfers": {k: {**t, "gbps": t["gbps"] if np.isfinite(t["gbps"]) else None}
                           for k, t in transfers.items()}}

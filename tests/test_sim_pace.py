@@ -7,7 +7,8 @@ import math
 import pytest
 
 from pdlab.recipe import parse_recipe
-from pdlab.sim.pace import LEVELS, PacedTiming, WorkerPace, draw, quantiles
+from pdlab.sim.pace import LEVELS, WorkerPace, draw, quantiles
+from pdlab.sim.worker_time import WorkerTime
 from pdlab.sim.simulator import Simulator
 from pdlab.timing.host import host_times
 from pdlab.workload import build_requests
@@ -40,15 +41,19 @@ def test_quantiles_and_draws_follow_the_values():
 
 
 def test_a_worker_steps_at_its_factor_for_the_rate_simulated():
-    p = PacedTiming(variant(PD).model.timing, WorkerPace(1.5, (), (("5", 0, 2.0),)), "decode0")
+    p = WorkerTime(variant(PD).model.timing, "decode0", WorkerPace(1.5, (), (("5", 0, 2.0),)))
     base = p.profile.step_s(10, 2, 100)
-    p.start(5.0, 0)
+    p.begin(5.0, 0)
     assert p.step_s(10, 2, 100) == pytest.approx(2.0 * base)
-    p.start(5.0, 1)  # another repeat: the worker's factor in all
+    p.begin(5.0, 1)  # another repeat: the worker's factor in all
     assert p.step_s(10, 2, 100) == pytest.approx(1.5 * base)
-    p.start(math.inf, 0)
+    p.begin(math.inf, 0)
     assert p.step_s(10, 2, 100) == pytest.approx(1.5 * base)
     assert p.kv_memory_gb == p.profile.kv_memory_gb  # everything else is the profile's
+    assert WorkerTime(variant(PD).model.timing, "decode0").step_s(10, 2, 100) == pytest.approx(base)  # no pace
+    # steps and gaps draw from streams of their own: a slow draw for a step is not a long gap after it
+    p.begin(5.0, 0)
+    assert [p.step_rng.random() for _ in range(3)] != [p.gap_rng.random() for _ in range(3)]
 
 
 def test_the_simulator_steps_each_worker_at_its_pace():

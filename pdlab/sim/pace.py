@@ -20,14 +20,11 @@ comes in stretches and by step shape, not step by step) put simulated ITL tails 
 
 from __future__ import annotations
 
-import random
-import zlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from pdlab.workload import rate_tag
 
 # the probability levels a WorkerPace keeps its gaps at: every 5% to 95%, then dense in the tail, where a
 # request's p99 ITL takes its gaps from (evenly spaced levels put p99.5 most of the way to the largest gap)
@@ -51,27 +48,3 @@ def quantiles(xs: Sequence[float]) -> tuple[float, ...]:
 def draw(qs: tuple[float, ...], u: float) -> float:
     """The value at probability `u` of the distribution whose quantiles at LEVELS are `qs`."""
     return float(np.interp(u, LEVELS, qs))
-
-
-class PacedTiming:
-    """A profile whose step_s is scaled by a worker's pace at the rate being simulated (engine.timed's
-    StepTimeModel; everything else is the profile's). `start(rate, repeat)` before each run of the simulator."""
-
-    def __init__(self, profile: Any, pace: WorkerPace, worker: str):
-        self.profile, self.pace, self.worker = profile, pace, worker
-        self.factor, self.rng = pace.factor, random.Random(0)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.profile, name)
-
-    def start(self, rate: float, repeat: int) -> None:
-        tag = rate_tag(rate)
-        self.factor = next((f for t, r, f in self.pace.by_run if t == tag and r == repeat), self.pace.factor)
-        self.rng.seed(zlib.crc32(f"{self.worker}/{tag}/{repeat}".encode()))  # stable across processes
-
-    def step_s(self, *counts: int) -> float:
-        return self.profile.step_s(*counts) * self.factor
-
-    def gap_s(self, default_s: float) -> float:
-        g = self.pace.gaps_ms
-        return draw(g, self.rng.random()) / 1000.0 if len(g) > 1 else default_s

@@ -49,8 +49,6 @@ from __future__ import annotations
 
 import heapq
 import math
-import random
-import zlib
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -61,8 +59,9 @@ from pdlab.kv.copy import copy_blocks
 from pdlab.measure.metrics import build_request_record
 from pdlab.recipe import SLO, Variant
 from pdlab.serve.placement import WorkerView, choose_decode, least_loaded, mirrors_caches, place_arrival
-from pdlab.sim.pace import PacedTiming, WorkerPace
-from pdlab.workload import WorkloadRequest, rate_tag
+from pdlab.sim.pace import WorkerPace
+from pdlab.sim.worker_time import WorkerTime
+from pdlab.workload import WorkloadRequest
 
 
 class VirtualClock:
@@ -79,50 +78,13 @@ class VirtualClock:
         return self.t
 
 
-class _Contended:
-    """A worker's step model on a host it shares (the profile's ContentionTiming). Before each of its steps the
-    simulator sets `start`, `cold` and `others`: for each other worker, whether it has work (it steps through
-    this step, back to back) and when its step in progress ends (None: none); the share of the others
-    stepping is read over the step's modelled time. Where the profile has decode spreads, each decode-only
-    step is drawn from them, seeded per worker, rate and repeat (`reseed`): a simulation repeats exactly."""
-
-    def __init__(self, inner: Any, contention: Any, worker: str):
-        self.inner, self.contention, self.worker = inner, contention, worker
-        self.start, self.cold, self.others = 0.0, False, []
-        self.spreads = bool(contention.decode_spread or contention.decode_spread_beside)
-        self.rng = random.Random(0)
-        self.since_prefill: Optional[int] = None  # decode-only steps since its last with prefill tokens
-
-    def reseed(self, rate: float, repeat: int) -> None:
-        self.rng.seed(zlib.crc32(f"{self.worker}/{rate_tag(rate)}/{repeat}".encode()))  # stable across processes
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def share(self, step_s: float) -> float:
-        """The share of the other workers stepping over [start, start + step_s]."""
-        if not self.others:
-            return 0.0
-        return sum(1.0 if work else 0.0 if end is None else min(max(end - self.start, 0.0) / max(step_s, 1e-12), 1.0)
-                   for work, end in self.others) / len(self.others)
-
-    def step_s(self, *counts: int) -> float:
-        s = self.inner.step_s(*counts)
-        u = self.rng.random() if self.spreads else None
-        prefill = counts[0] > 0
-        out = self.contention.step_s(s, prefill, self.share(s), self.cold, u, self.since_prefill)
-        self.since_prefill = 0 if prefill else None if self.since_prefill is None else self.since_prefill + 1
-        return out
-
-
 @dataclass
 class _Worker:
     name: str
     role: str
     engine: Engine
     clock: VirtualClock
-    timing: _Contended
-    paced: Optional[PacedTiming] = None  # its pace, where given
+    timing: WorkerTime
     free_at: float = 0.0
     step_end: Optional[float] = None  # when its last step ended (None: none yet)
     holds: set = field(default_factory=set)
@@ -172,10 +134,9 @@ class Simulator:
         for w in dep.workers:
             clock = VirtualClock()
             pace = (paces or {}).get(w.name)
-            paced = PacedTiming(self.timing, pace, w.name) if pace is not None else None
-            timing = _Contended(paced or self.timing, self.timing.contention, w.name)
+            timing = WorkerTime(self.timing, w.name, pace)
             eng = Engine(stand_in, variant.engine, role=w.role, step_timing=timing, clock=clock)
-            self.workers[w.name] = _Worker(w.name, w.role, eng, clock, timing, paced)
+            self.workers[w.name] = _Worker(w.name, w.role, eng, clock, timing)
         self.layers = next(iter(self.workers.values())).engine.dims["layers"]
 
     def _of(self, role: str) -> list[_Worker]:
@@ -207,9 +168,7 @@ class Simulator:
         reset first, as a run resets it before each rate; False after the rate's warm-up, whose prefixes a real
         run's measured requests find cached."""
         for w in self.workers.values():
-            if w.paced is not None:
-                w.paced.start(rate, repeat)
-            w.timing.reseed(rate, repeat)
+            w.timing.begin(rate, repeat)
             if cold:
                 w.engine.reset_prefix_cache()
             t = max(w.free_at, w.clock.t)
@@ -361,7 +320,7 @@ class Simulator:
         w.clock.advance_to(start)
         # a worker with work steps beside this step throughout (back to back, with gaps of a fraction of a
         # millisecond); one without, until its step in progress ends
-        w.timing.start = start
+        w.timing.step_start = start
         w.timing.others = [(o.engine.has_work(), o.step_end) for o in self.workers.values() if o is not w]
         w.timing.cold = w.step_end is None or start - w.step_end >= COLD_AFTER_MS / 1e3
         out = w.engine.step()
@@ -369,7 +328,7 @@ class Simulator:
             return False
         end = w.step_end = w.clock.t
         # the worker's own time before its next step
-        w.free_at = end + (w.paced.gap_s(self.gap_s) if w.paced is not None else self.gap_s)
+        w.free_at = end + w.timing.gap_s(self.gap_s)
         if out.record is not None:
             self._steps.append({**self._tag, "worker": w.name, "role": w.role, **out.record.__dict__})
         for t in out.tokens:

@@ -308,3 +308,19 @@ def test_the_simulator_slows_the_decode_steps_after_a_prefill_and_the_estimate_r
     est = estimate(StepTiming(**STEP).to_raw(), steps)
     assert est["after_prefill_x"] == pytest.approx(1.5, rel=0.02)
     assert est["after_prefill_decay"] == pytest.approx(0.5, abs=0.05)
+
+
+def test_what_a_prefill_leaves_is_not_read_again_as_co_running_or_spread():
+    """Simulated with decode_x 1.2 and after_prefill x1.5 (decay 0.5) and no spread, unified workers' steps read
+    back each once: decode_x 1.2, and decode steps that do not spread (the slow ones after a prefill are that
+    prefill's, not a tail of their own)."""
+    con = {"decode_x": 1.2, "after_prefill_x": 1.5, "after_prefill_decay": 0.5}
+    v, slo = variant(con, UNIFIED2)
+    steps = Simulator(v, slo).run(build_requests(v.workload, 40.0, seed=1, vocab_size=256), 40.0)[1]
+    est = estimate(StepTiming(**STEP).to_raw(), steps)
+    assert est["after_prefill_x"] == pytest.approx(1.5, rel=0.05)
+    assert est["decode_x"] == pytest.approx(1.2, rel=0.03)
+    for key in ("decode_spread", "decode_spread_beside"):
+        if est[key] is not None:
+            assert est[key][-1] == pytest.approx(1.0, abs=0.05), key  # p99
+    assert est["decode_spread"] is not None or est["decode_spread_beside"] is not None

@@ -115,8 +115,10 @@ class _Spans:
 
 
 def estimate(coef: dict, steps: list[dict]) -> dict:
-    """{prefill_x, decode_x, cold_ms, decode_spread, decode_spread_beside} (None where not estimated) and
-    {samples}: from `steps` (records with step counts) against the step model `coef` (StepTiming.to_raw())."""
+    """{prefill_x, decode_x, cold_ms, after_prefill_x, after_prefill_decay, decode_spread, decode_spread_beside}
+    (None where not estimated) and {samples}: from `steps` (records with step counts) against the step model
+    `coef` (StepTiming.to_raw()). A decode step's factor beside stepping workers and its spread are read with
+    what its worker's last prefill left taken off, so that a simulation applying both counts it once."""
     rows = [_Row(s.get("prefill_tokens", 0) > 0, s.get("decode_seqs", 0), mp[0], mp[1], c)
             for s, mp, c in zip(steps, _modelled(coef, steps), context(steps)) if mp is not None]
     warm = [r.ratio for r in rows if not r.c.cold and r.c.others_busy <= ALONE]
@@ -125,10 +127,24 @@ def estimate(coef: dict, steps: list[dict]) -> dict:
     cold_ms = statistics.median(cold) if len(cold) >= MIN_SAMPLES else None
     off = max(cold_ms or 0.0, 0.0)
     out: dict = {"cold_ms": None if cold_ms is None else max(cold_ms, 0.0), "samples": {"cold": len(cold)}}
+    decode = [r for r in rows if not r.prefill and not r.c.cold]
+    fitted = after_prefill_fit({k: [r.ratio for r in decode if r.c.since_prefill == k] for k in range(AFTER_STEPS)},
+                               [r.ratio for r in decode if r.c.since_prefill is None
+                                or r.c.since_prefill >= SETTLED_AFTER])
+    out["after_prefill_x"], out["after_prefill_decay"] = fitted or (None, None)
+    out["samples"]["after_prefill"] = sum(1 for r in decode if r.c.since_prefill == 0)
+    x_after, decay = fitted or (1.0, 0.0)
+
+    def own(r: _Row) -> float:
+        """A step's measured time less what its worker's last prefill left to it (counted once, there)."""
+        k = r.c.since_prefill
+        return r.m if r.prefill or k is None else r.m / (1.0 + (x_after - 1.0) * decay ** k)
+
     for kind, prefill in (("prefill", True), ("decode", False)):
-        mine = [((r.m - (off if r.c.cold else 0.0)) / max(r.p, 1e-9), r.c.others_busy) for r in rows
+        mine = [((own(r) - (off if r.c.cold else 0.0)) / max(r.p, 1e-9), r.c.others_busy) for r in rows
                 if r.prefill == prefill and r.c.others_busy >= TOGETHER]
-        alone = [r.ratio for r in rows if r.prefill == prefill and not r.c.cold and r.c.others_busy <= ALONE]
+        alone = [own(r) / max(r.p, 1e-9) for r in rows
+                 if r.prefill == prefill and not r.c.cold and r.c.others_busy <= ALONE]
         base = statistics.median(alone) if len(alone) >= MIN_SAMPLES else pace
         x = None
         if len(mine) >= MIN_SAMPLES:  # the excess at the share these stepped beside, taken to all the others
@@ -136,15 +152,9 @@ def estimate(coef: dict, steps: list[dict]) -> dict:
             x = max(1.0 + (statistics.median(q for q, _ in mine) / base - 1.0) / share, 1e-3)
         out[f"{kind}_x"] = x
         out["samples"][kind] = {"together": len(mine), "alone": len(alone)}
-    decode = [r for r in rows if not r.prefill and not r.c.cold]
-    fitted = after_prefill_fit({k: [r.ratio for r in decode if r.c.since_prefill == k] for k in range(AFTER_STEPS)},
-                               [r.ratio for r in decode if r.c.since_prefill is None
-                                or r.c.since_prefill >= SETTLED_AFTER])
-    out["after_prefill_x"], out["after_prefill_decay"] = fitted or (None, None)
-    out["samples"]["after_prefill"] = sum(1 for r in decode if r.c.since_prefill == 0)
     for key, keep in (("decode_spread", lambda c: c.others_busy <= ALONE),
                       ("decode_spread_beside", lambda c: c.others_busy >= TOGETHER)):
-        rs = [(r.seqs, r.ratio) for r in rows if not r.prefill and not r.c.cold and keep(r.c)]
+        rs = [(r.seqs, own(r) / max(r.p, 1e-9)) for r in rows if not r.prefill and not r.c.cold and keep(r.c)]
         out[key] = spread(rs) if len(rs) >= MIN_SPREAD else None
         out["samples"][key] = len(rs)
     return out

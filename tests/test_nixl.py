@@ -174,10 +174,12 @@ def test_a_worker_leaves_no_ucx_log_folder_behind(tmp_path):
     import subprocess
     import sys
 
+    from cli_helpers import DEADLINE_S  # against a hang, not a speed bound
+
     code = ("import os; from pdlab.kv import ucx_log; f = ucx_log.ucx_log_file(); print(os.path.dirname(f)); "
             "ucx_log.remove_log_dir(); ucx_log.remove_log_dir(); os._exit(0)")
     env = {k: v for k, v in os.environ.items() if k != "UCX_LOG_FILE"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=DEADLINE_S,
                        env={**env, "TMPDIR": str(tmp_path)})
     made = r.stdout.strip()
     assert r.returncode == 0 and made.startswith(str(tmp_path)), r.stderr

@@ -155,10 +155,12 @@ def test_doctor_reports_every_transport():
     import subprocess
     import sys
 
+    from cli_helpers import DEADLINE_S  # against a hang, not a speed bound
+
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items() if not k.startswith("UCX_LOG")}
     p = subprocess.run([sys.executable, "-m", "pdlab.cli", "doctor", "--json", "--probe-mb", "0.5"], cwd=root,
-                       env=env, capture_output=True, text=True, timeout=300)
+                       env=env, capture_output=True, text=True, timeout=DEADLINE_S)
     assert p.returncode == 0, p.stderr[-2000:]
     report = json.loads(p.stdout)
     probes = {p["transport"]: p for p in report["probes"]}

@@ -49,6 +49,7 @@ from typing import Optional
 import numpy as np
 
 from pdlab.constants import COLD_AFTER_MS, SPREAD_LEVELS
+from pdlab.recipe.timing import ContentionTiming
 from pdlab.timing.fit import predict
 from pdlab.timing.records import samples
 
@@ -133,12 +134,11 @@ def estimate(coef: dict, steps: list[dict]) -> dict:
                                 or r.c.since_prefill >= SETTLED_AFTER])
     out["after_prefill_x"], out["after_prefill_decay"] = fitted or (None, None)
     out["samples"]["after_prefill"] = sum(1 for r in decode if r.c.since_prefill == 0)
-    x_after, decay = fitted or (1.0, 0.0)
+    left = ContentionTiming(after_prefill_x=fitted[0], after_prefill_decay=fitted[1]) if fitted else ContentionTiming()
 
     def own(r: _Row) -> float:
         """A step's measured time less what its worker's last prefill left to it (counted once, there)."""
-        k = r.c.since_prefill
-        return r.m if r.prefill or k is None else r.m / (1.0 + (x_after - 1.0) * decay ** k)
+        return r.m if r.prefill else r.m / left.after_prefill(r.c.since_prefill)
 
     for kind, prefill in (("prefill", True), ("decode", False)):
         mine = [((own(r) - (off if r.c.cold else 0.0)) / max(r.p, 1e-9), r.c.others_busy) for r in rows

@@ -220,13 +220,18 @@ def describe(raw: dict) -> str:
     """'prefill x1.09, decode x1.03 beside stepping workers; a cold step +2.1 ms; decode steps spread p90 x1.07,
     p99 x1.24 alone, p90 x1.15, p99 x1.5 beside' from a contention block (the figures it has; 'none' without
     any)."""
+    parts = []
     beside = [f"{k[:-2]} x{raw[k]:.3g}" for k in ("prefill_x", "decode_x") if raw.get(k) is not None]
+    if beside:
+        parts.append(", ".join(beside) + " beside stepping workers")
+    if raw.get("cold_ms") is not None:
+        parts.append(f"a cold step +{raw['cold_ms']:.3g} ms")
+    if raw.get("after_prefill_x") is not None:
+        parts.append(f"a decode step after a prefill x{raw['after_prefill_x']:.3g}, each next one keeping "
+                     f"{raw.get('after_prefill_decay', 0.0):.2g} of the excess")
     spreads = [f"{tail(raw[k])} {'beside' if k.endswith('beside') else 'alone'}" for k in SPREADS if raw.get(k)]
-    parts = ([", ".join(beside) + " beside stepping workers"] if beside else []) + (
-        [f"a cold step +{raw['cold_ms']:.3g} ms"] if raw.get("cold_ms") is not None else []) + (
-        [f"a decode step after a prefill x{raw['after_prefill_x']:.3g}, each next one keeping "
-         f"{raw.get('after_prefill_decay', 0.0):.2g} of the excess"] if raw.get("after_prefill_x") is not None else []) + (
-        ["decode steps spread " + ", ".join(spreads)] if spreads else [])
+    if spreads:
+        parts.append("decode steps spread " + ", ".join(spreads))
     return "; ".join(parts) or "none"
 
 

@@ -56,18 +56,23 @@ def _median(xs: list[float]) -> Optional[float]:
     return 1000.0 * statistics.median(xs) if len(xs) >= MIN_SAMPLES else None
 
 
-def gaps(steps: list[dict]) -> list[float]:
-    """Seconds between back-to-back steps of each worker (the earlier one left work behind)."""
+def back_to_back(steps: list[dict]) -> dict[tuple, list[tuple[dict, dict]]]:
+    """Each worker's (in a variant, rate and repeat) pairs of consecutive steps where the earlier one left work
+    behind (running or waiting requests): the later one started as soon as its worker could."""
     by: dict[tuple, list[dict]] = defaultdict(list)
     for s in steps:
         by[_key(s, s.get("worker"))].append(s)
-    out = []
-    for ss in by.values():
+    out = {}
+    for k, ss in by.items():
         ss.sort(key=lambda s: s["start"])
-        for a, b in zip(ss, ss[1:]):
-            if (a.get("running") or 0) + (a.get("waiting") or 0) > 0 and b["start"] >= a["end"]:
-                out.append(b["start"] - a["end"])
+        out[k] = [(a, b) for a, b in zip(ss, ss[1:])
+                  if (a.get("running") or 0) + (a.get("waiting") or 0) > 0 and b["start"] >= a["end"]]
     return out
+
+
+def gaps(steps: list[dict]) -> list[float]:
+    """Seconds between back-to-back steps of each worker (the earlier one left work behind)."""
+    return [b["start"] - a["end"] for pairs in back_to_back(steps).values() for a, b in pairs]
 
 
 def host_times(steps: list[dict], requests: list[dict]) -> dict:
@@ -113,17 +118,11 @@ def admits(steps: list[dict], requests: list[dict]) -> list[float]:
         ph = r.get("phases") or {}
         if r.get("decode_worker") and r.get("decode_worker") != r.get("prefill_worker") and "admitted" in ph:
             admitted[_key(r, r["decode_worker"])].append(ph["admitted"])
-    by: dict[tuple, list[dict]] = defaultdict(list)
-    for s in steps:
-        if s.get("role") == "decode":
-            by[_key(s, s.get("worker"))].append(s)
     out = []
-    for k, ss in by.items():
+    for k, pairs in back_to_back([s for s in steps if s.get("role") == "decode"]).items():
         times = sorted(admitted.get(k, []))
-        ss.sort(key=lambda s: s["start"])
         rows = [(b["start"] - a["end"], bisect.bisect_right(times, b["start"]) - bisect.bisect_left(times, a["end"]))
-                for a, b in zip(ss, ss[1:])
-                if (a.get("running") or 0) + (a.get("waiting") or 0) > 0 and b["start"] >= a["end"]]
+                for a, b in pairs]
         plain = [g for g, n in rows if n == 0]
         if len(plain) < MIN_SAMPLES:
             continue

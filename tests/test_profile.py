@@ -178,6 +178,18 @@ def test_measured_steps_carry_the_timed_engines_counts(tiny):
                for s in run_case(tiny, Case("prefill", 64, True, (80,), (), 16), rng, case_id=7))
 
 
+def test_what_a_prefill_leaves_is_measured_within_the_models_context(tiny):
+    """The after-prefill cases clip their contexts and prompts to the model's (a local model of a short context
+    must not be asked for 1,000-token ones); each case gives its settled steps and AFTER_STEPS after a prefill."""
+    lim = Limits(100, 8, 4096, (64,))
+    clipped = after_prefill.cases(lim)
+    assert len(clipped) == len(after_prefill.CASES)
+    assert all(max(c.decoders) <= 100 and p <= 100 for c, p in clipped)
+    got = after_prefill.measure_after_prefill(tiny, lim, np.random.default_rng(0), repeats=1)
+    assert [len(x) for x in got["by_k"]] == [len(after_prefill.CASES)] * AFTER_STEPS
+    assert len(got["settled"]) == after_prefill.SETTLED * len(after_prefill.CASES)
+
+
 def test_case_pools_are_slices_of_one_worker_sized_pool(tiny):
     """Cases run in the first blocks of one pool allocated once, the primer in its last ones."""
     pool = torch.zeros(2, 2, 400, 16, 2, 16)

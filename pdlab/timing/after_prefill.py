@@ -21,16 +21,27 @@ from typing import Any, Optional
 import numpy as np
 
 from pdlab.timing.contention import AFTER_STEPS
-from pdlab.timing.measure import DECODE_LEAD, Case, PoolSlices, Primer, case_engine
+from pdlab.timing.measure import DECODE_LEAD, Case, Limits, PoolSlices, Primer, case_engine
 
 CASES = ((2, 300, 256), (4, 300, 512), (8, 600, 256), (4, 1000, 1024))  # (decode batch, context, prompt)
 REPEATS = 2
 SETTLED = 8  # settled decode steps timed before the prefill
 
 
-def measure_after_prefill(model: Any, rng: np.random.Generator, pool: Optional[PoolSlices] = None,
-                          primer: Optional[Primer] = None, cases: tuple = CASES,
-                          repeats: int = REPEATS) -> dict:
+def cases(lim: Limits) -> list[tuple[Case, int]]:
+    """Each measurement's decode case and prompt length, within `lim` (contexts and prompts clipped to the
+    model's, as measure.warmup_cases clips its own). The prompt is prefilled in one step beside the decodes
+    (the budget holds all of them), in blocks the pool has room for (case_engine's: twice the decoders')."""
+    out = []
+    for batch, context, prompt in CASES:
+        context, prompt = min(context, lim.max_context), min(prompt, lim.max_context)
+        steps = SETTLED + AFTER_STEPS + 8  # the decoders hold KV for DECODE_LEAD more too (Case.blocks)
+        out.append((Case("decode", prompt + batch, False, (), (context,) * batch, steps), prompt))
+    return out
+
+
+def measure_after_prefill(model: Any, lim: Limits, rng: np.random.Generator, pool: Optional[PoolSlices] = None,
+                          primer: Optional[Primer] = None, repeats: int = REPEATS) -> dict:
     """{"by_k": [[ratio, ...] for k in 0..AFTER_STEPS-1], "settled": [ratio, ...]}: decode steps after a
     prefill (by k) and settled ones, each over its case's settled median."""
     import torch
@@ -41,11 +52,7 @@ def measure_after_prefill(model: Any, rng: np.random.Generator, pool: Optional[P
     settled: list[float] = []
     vocab = model.config.vocab_size
     for _ in range(repeats):
-        for batch, context, prompt in cases:
-            steps = SETTLED + AFTER_STEPS + 8  # the case's decoders hold KV for DECODE_LEAD more too
-            # the prompt is prefilled in one step beside the decodes (budget: all of them), in blocks the pool
-            # has room for (twice the decoders' need)
-            case = Case("decode", prompt + batch, False, (), (context,) * batch, steps)
+        for case, prompt in cases(lim):
             eng = case_engine(model, case, rng, pool=pool, room=1)
             sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
 

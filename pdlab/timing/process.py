@@ -122,7 +122,7 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     from pdlab.engine import Engine, EngineConfig, load_model
     from pdlab.engine.host_malloc import tune_malloc
     from pdlab.engine.model import model_dims
-    from pdlab.timing.after_prefill import measure_after_prefill
+    from pdlab.timing import after_prefill
     from pdlab.timing.measure import (PRIMER_BLOCKS, Limits, PoolSlices, Primer, describe_device, design,
                                       kv_memory_gb, measure_steps, probe_transfers, warmup_cases)
 
@@ -137,7 +137,8 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     cases = design(job.steps, lim, rng)
     # the pool a unified worker with the default engine config allocates (larger when a case needs more)
     worker = Engine(model, EngineConfig())
-    need = max(2 * c.blocks() + 16 for c in cases + warmup_cases(lim)) + PRIMER_BLOCKS
+    need = max(2 * c.blocks() + 16
+               for c in cases + warmup_cases(lim) + [c for c, _ in after_prefill.cases(lim)]) + PRIMER_BLOCKS
     if worker.blocks.num_blocks < need:
         del worker
         worker = Engine(model, EngineConfig(kv_blocks=need))
@@ -157,7 +158,7 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     slices = PoolSlices(worker.kv)
     samples = measure_steps(model, cases, lim, rng, progress, pool=slices)
     took = time.monotonic() - t0
-    after = measure_after_prefill(model, rng, pool=slices, primer=Primer(model, rng, pool=slices))
+    after = after_prefill.measure_after_prefill(model, lim, rng, pool=slices, primer=Primer(model, rng, pool=slices))
     if not cuda:
         paces.append(pace_ms())
     kv_per_token = worker.block_bytes // worker.config.block_size

@@ -240,7 +240,7 @@ class TimingProfile(Section):
     host: HostTiming = spec(HostTiming(), "a worker's host time (gap_ms, hop_ms, handoff_ms, send_ms)",
                             parse=section(HostTiming))
     contention: ContentionTiming = spec(ContentionTiming(), "a shared host's cost beyond the step model "
-                                        "(prefill_x, decode_x, cold_ms)", parse=section(ContentionTiming))
+                                        f"({', '.join(ContentionTiming.keys())})", parse=section(ContentionTiming))
     # kernel -> {use, why, kernel_ms, torch_ms}: the CPU kernels the measured steps ran (pdlab.engine.kernel_check)
     kernels: Optional[dict] = spec(None, "a mapping kernel -> its choice (which CPU kernels the steps ran)",
                                    lambda v: _mapping(v))

@@ -50,7 +50,7 @@ def profile_raw(*, name: str, source: str, device: str, date: str, model: str, s
     if host:
         raw["host"] = {k: sig(float(v)) for k, v in host.items()}
     if contention:
-        raw["contention"] = {k: sig(v if isinstance(v, (list, tuple)) else float(v)) for k, v in contention.items()}
+        raw["contention"] = sig(contention)  # figures and spreads (lists) alike
     if kernels:
         raw["kernels"] = sig(kernels)
     if pace_ms:

@@ -38,11 +38,11 @@ class WorkerPace:
     by_run: tuple[tuple[str, int, float], ...] = ()  # (rate tag, repeat, factor)
 
 
-def quantiles(xs: Sequence[float]) -> tuple[float, ...]:
-    """The quantiles of `xs` at LEVELS (linear interpolation); () for no values."""
+def quantiles(xs: Sequence[float], levels: Sequence[float] = LEVELS) -> tuple[float, ...]:
+    """The quantiles of `xs` at `levels` (linear interpolation); () for no values."""
     if not len(xs):
         return ()
-    return tuple(float(q) for q in np.quantile(np.asarray(xs, dtype=float), LEVELS))
+    return tuple(float(q) for q in np.quantile(np.asarray(xs, dtype=float), levels))
 
 
 def draw(qs: tuple[float, ...], u: float) -> float:

@@ -50,6 +50,7 @@ import numpy as np
 
 from pdlab.constants import COLD_AFTER_MS, SPREAD_LEVELS
 from pdlab.recipe.timing import ContentionTiming
+from pdlab.sim.pace import quantiles
 from pdlab.timing.fit import predict
 from pdlab.timing.records import samples
 
@@ -196,8 +197,7 @@ def spread(ratios: list[tuple[int, float]]) -> tuple[float, ...]:
         by[n].append(r)
     whole = float(np.median([r for _, r in ratios]))
     mid = {n: float(np.median(rs)) if len(rs) >= MIN_SAMPLES else whole for n, rs in by.items()}
-    r = np.asarray([x / max(mid[n], 1e-9) for n, x in ratios], dtype=float)
-    return tuple(float(q) for q in np.quantile(r, SPREAD_LEVELS))
+    return quantiles([x / max(mid[n], 1e-9) for n, x in ratios], SPREAD_LEVELS)
 
 
 SPREADS = ("decode_spread", "decode_spread_beside")

@@ -40,13 +40,13 @@ def _errors(coef: dict, ss: list[StepSample]) -> dict:
     if ss:
         p = predict(coef, ss)
         e["ratio"] = float(statistics.median(s.ms / max(x, 1e-9) for s, x in zip(ss, p)))
-        e["busy_ratio"] = busy_ratio(ss, p)
+        e["busy_ratio"] = busy_ratio([s.ms for s in ss], p)
     return e
 
 
-def busy_ratio(ss: list[StepSample], predicted: Any) -> float:
-    """The steps' measured time over their predicted time, summed (1.3: the steps took 30% longer in all)."""
-    return float(sum(s.ms for s in ss) / max(float(sum(predicted)), 1e-9))
+def busy_ratio(measured: Any, predicted: Any) -> float:
+    """Steps' measured time over their predicted time, summed (1.3: the steps took 30% longer in all)."""
+    return float(sum(measured) / max(float(sum(predicted)), 1e-9))
 
 
 def profile_for(name: str, variants: dict[str, Any]) -> Optional[tuple[Any, str]]:

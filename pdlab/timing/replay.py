@@ -26,6 +26,7 @@ import numpy as np
 
 from pdlab.recipe.timing import TimingProfile
 from pdlab.sim.pace import WorkerPace, quantiles
+from pdlab.timing.check import busy_ratio
 from pdlab.timing.contention import predicted_ms
 from pdlab.timing.host import FIGURES, gaps
 from pdlab.workload import rate_tag
@@ -55,9 +56,7 @@ def worker_paces(profile: TimingProfile, steps: list[dict], workers: Sequence[st
     timed = [(s, p) for s, p in zip(steps, predicted_ms(profile, steps)) if p is not None]
 
     def factor(rows: list[tuple[dict, float]]) -> Optional[float]:
-        if not rows:
-            return None
-        return sum((s["end"] - s["start"]) * 1e3 for s, _ in rows) / max(sum(p for _, p in rows), 1e-9)
+        return busy_ratio([(s["end"] - s["start"]) * 1e3 for s, _ in rows], [p for _, p in rows]) if rows else None
 
     out = {}
     for w in sorted({s.get("worker") for s in steps if s.get("worker")}):

@@ -7,6 +7,8 @@ import torch
 
 from engine_helpers import engine, hf_greedy, model, prompts, reference, run
 from pdlab.engine import Engine, EngineConfig, SamplingParams, load_model
+from pdlab.engine.model import load_stand_in
+from pdlab.recipe import StepTiming, TimingProfile
 
 MIXED = [5, 17, 40, 33, 64, 1, 90]
 
@@ -269,3 +271,19 @@ def test_a_reservation_leaves_a_block_per_held_request():
     assert eng.blocks.num_free == 4
     eng.cancel_reservation("a")
     eng.check_idle()
+
+
+def test_a_cpu_step_records_its_own_cpu_time_and_a_timed_one_does_not():
+    """cpu_s: the stepping thread's CPU time over the step, at most its wall time (what the core gave it, beside
+    what other processes took); a timed engine waits its model out, so it has none to report."""
+    eng = engine(block_size=16, kv_blocks=64)
+    eng.add("a", prompts([40], seed=1)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+    recs = []
+    while eng.has_work():
+        recs.append(eng.step().record)
+    assert recs and all(r.cpu_s is not None and 0 < r.cpu_s <= (r.end - r.start) + 1e-3 for r in recs)
+    timed = Engine(load_stand_in("tiny-llama"), EngineConfig(block_size=16, kv_blocks=64),
+                   step_timing=TimingProfile(step=StepTiming(fixed_ms=0.1)))
+    timed.add("a", prompts([40], seed=1)[0], SamplingParams(max_tokens=2, ignore_eos=True))
+    assert timed.step().record.cpu_s is None
+

@@ -149,6 +149,22 @@ def test_check_run_lines_and_warnings_beyond_the_threshold():
     assert check_run(vs, steps_of({"prefill": 1, "decode": 1, "mixed": 1}), [])["v"]["profile"] == prof.name
 
 
+def test_the_check_says_how_much_of_their_cores_the_workers_steps_had():
+    """Each step's own CPU time (cpu_s) over its wall time, per worker: 0.9 means other processes on its core
+    (the router and harness, on a box with no spare core) took a tenth of the time it stepped. Steps without
+    cpu_s (timed workers, GPUs, older runs) say nothing."""
+    vs = recipe_variants({"v": {}})
+    t = TimingProfile(name="box", step=STEP)
+    steps = steps_of({"prefill": 1.0, "decode": 1.0, "mixed": 1.0})
+    mine = [dict(s, cpu_s=0.9 * (s["end"] - s["start"])) for s in steps[:3]]
+    other = [dict(s, worker="unified1", cpu_s=1.001 * (s["end"] - s["start"])) for s in steps[3:]]
+    res = check_run(vs, mine + other, [], profile=t)
+    assert res["v"]["cpu_share"] == {"unified0": pytest.approx(0.9), "unified1": 1.0}  # clock grain: at most 1
+    assert "own CPU unified0 0.90, unified1 1.00 of their steps' time" in lines(res)[0][0]
+    bare = check_run(vs, steps, [], profile=t)
+    assert bare["v"]["cpu_share"] == {} and "own CPU" not in lines(bare)[0][0]
+
+
 def test_the_box_pace_stands_beside_the_steps_and_in_their_warnings():
     """The workers timed the fixed computation x1.45 the profile's: the check line and each warning say so
     (a fact beside the steps' miss: a snapshot at the workers' start, not a correction); within PACE_DRIFT of
@@ -358,6 +374,35 @@ def test_ctrl_c_ends_pdlab_profile_and_its_measuring_process(tmp_path):
     while any(running(k) for k in kids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert kids and not [k for k in kids if running(k)] and not out.exists()  # no orphan, no file
+
+
+def test_a_pulls_admit_time_grows_with_its_prompt_read_through_the_gaps_the_os_stretched():
+    """A pull's copy shares the decode worker's core: each gap with one pull admitted is the plain 0.2 ms, 0.5 ms
+    and 0.8 ms per 1000 prompt tokens. Three gaps stretched by 5 ms more do not tilt the line. Pushes say nothing
+    of a copy (None); pulls all of one length leave it in admit_ms (0)."""
+    def records(lengths, pull=True, stretched=()):
+        steps, reqs, t = [], [], 1.0
+        for i in range(60):
+            steps.append({"variant": "v", "rate": 1.0, "repeat": 0, "worker": "decode0", "role": "decode",
+                          "start": t, "end": t + 0.004, "running": 2})
+            n = i % 2  # a pull admitted in every other gap
+            if n:
+                tokens = lengths[i // 2 % len(lengths)]
+                ph = ({"prefill_end": t - 0.01, "transfer_start": t - 0.005} if pull else
+                      {"prefill_end": t - 0.01, "transfer_end": t - 0.005})
+                reqs.append({"variant": "v", "rate": 1.0, "repeat": 0, "ok": True, "arrival": t - 0.1,
+                             "prompt_len": tokens, "prefill_worker": "prefill0", "decode_worker": "decode0",
+                             "phases": {**ph, "admitted": t + 0.0041}})
+            t += 0.004 + 0.0002 + (0.0005 + 0.0008 * tokens / 1000 if n else 0) + (0.005 if i in stretched else 0)
+        return steps, reqs
+
+    h = host_times(*records([100, 400, 700, 1000, 1300, 1600], stretched=(5, 17, 41)))
+    assert h["admit_ms"] == pytest.approx(0.5, abs=0.01) and h["admit_ktok_ms"] == pytest.approx(0.8, abs=0.01)
+    push = host_times(*records([100, 400, 700, 1000, 1300, 1600], pull=False))
+    assert push["admit_ktok_ms"] is None and push["admit_ms"] > 0.5
+    alike = host_times(*records([700]))
+    assert alike["admit_ktok_ms"] == 0.0 and alike["admit_ms"] == pytest.approx(0.5 + 0.8 * 0.7, abs=0.01)
+    assert "admit_ktok_ms" in host_raw(h) and "admit_ktok_ms" not in host_raw(push)
 
 
 def test_admit_time_is_a_decode_workers_gap_beyond_its_plain_one_per_hand_over_admitted():

@@ -143,3 +143,35 @@ def test_a_decode_worker_spends_admit_ms_on_each_hand_over_before_its_next_step(
     recs0, steps0 = run(0.0)
     assert host_times(steps0, recs0)["admit_ms"] == pytest.approx(0.0, abs=1e-6)
     assert {r["id"]: r["output_ids"] for r in recs} == {r["id"]: r["output_ids"] for r in recs0}
+
+
+def test_a_pull_adds_admit_ktok_ms_per_1000_tokens_it_copied_and_a_push_does_not():
+    """host.admit_ktok_ms: a pull's copy shares its decode worker's core, so each admission puts admit_ms and
+    admit_ktok_ms per 1000 prompt tokens before the worker's next step; the simulation's records read both back.
+    A push's copy runs on its prefill worker: its admissions take admit_ms alone."""
+    def run(mode):
+        step = {**TIMING, "prefill_token_ms": 0.05}  # prefills quick beside the decodes: admits between steps
+        raw = {"model": {"preset": "tiny-llama", "timing": {"name": "t", "step": step, "kv_bytes_per_token": 512,
+                                                            "transfer": {"shm": {"gbps": 1, "latency_ms": 3}},
+                                                            "host": {"gap_ms": 0.2, "admit_ms": 0.5,
+                                                                     "admit_ktok_ms": 4.0}}},
+               "engine": {"block_size": 8, "kv_blocks": 1024, "max_running": 32},
+               "workload": {"requests": 40, "input_len": {"kind": "uniform", "min": 20, "max": 400},
+                            "output_len": {"kind": "fixed", "value": 24}},
+               "rates": [20], "slo": {"ttft_ms": 1000, "itl_ms": 50},
+               "variants": {"v": {"deployment": {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]},
+                                                  "mode": mode}}}}
+        v = parse_recipe(raw).resolved("v")
+        recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 20.0, seed=1, vocab_size=512), 20.0)
+        return recs, steps
+
+    recs, steps = run("pull")
+    dec = sorted((s for s in steps if s["worker"] == "decode0"), key=lambda s: s["start"])
+    for r in recs:  # the decode worker's next step after each admission waits for its copy too
+        t = r["phases"]["admitted"]
+        nxt = next(s for s in dec if s["start"] >= t)
+        assert nxt["start"] - t >= 0.0005 + 0.004 * r["prompt_len"] / 1000 - 1e-9
+    h = host_times(steps, recs)
+    assert h["admit_ms"] == pytest.approx(0.5, abs=0.05) and h["admit_ktok_ms"] == pytest.approx(4.0, rel=0.05)
+    push = host_times(*run("push")[::-1])
+    assert push["admit_ms"] == pytest.approx(0.5, abs=0.05) and push["admit_ktok_ms"] is None

@@ -43,6 +43,9 @@ class StepRecord:
     fresh_pairs: int = 0
     resumed_pairs: int = 0
     resumed_context: int = 0
+    # the stepping thread's CPU time over the step (CPU workers that compute; else None): a step whose wall time
+    # is well above it spent the rest waiting for its core, taken by another process (the router, a client)
+    cpu_s: Optional[float] = None
 
 
 @dataclass
@@ -100,6 +103,8 @@ class Engine:
         self.dims = dims
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
+        # a CPU step's thread time is its compute; with a modelled step or on a GPU it is not (it waits)
+        self._cpu_timed = self.device.type == "cpu" and step_timing is None and clock is None
         if self.device.type == "cpu" and step_timing is None:
             tune_malloc()  # activations stay on the heap between steps (pdlab.engine.host_malloc)
         self.max_model_len = config.max_model_len or dims["max_model_len"]
@@ -215,6 +220,7 @@ class Engine:
     # ---- the step ----
     def step(self) -> StepOutput:
         start = self.now()
+        cpu0 = time.thread_time() if self._cpu_timed else None
         batch = self.scheduler.schedule()
         outs: list[TokenOut] = []
         for seq in batch.failed:
@@ -262,13 +268,15 @@ class Engine:
             for s, tok in zip(sampling, tokens):
                 outs.append(self._append(s, tok))
         end = self.now()
-        return StepOutput(self._record(start, end, counts, len(batch.preempted), forward_s), outs)
+        cpu_s = time.thread_time() - cpu0 if cpu0 is not None else None
+        return StepOutput(self._record(start, end, counts, len(batch.preempted), forward_s, cpu_s), outs)
 
-    def _record(self, start: float, end: float, c: StepCounts, preempted: int, forward_s: float) -> StepRecord:
+    def _record(self, start: float, end: float, c: StepCounts, preempted: int, forward_s: float,
+                cpu_s: Optional[float] = None) -> StepRecord:
         return StepRecord(start, end, c.prefill_tokens, c.decode_seqs, self.blocks.num_used, self.blocks.num_blocks,
                           len(self.scheduler.waiting), len(self.scheduler.running), preempted, forward_s,
                           c.context_tokens, c.prefill_pairs, c.chunks, c.fresh_pairs, c.resumed_pairs,
-                          c.resumed_context)
+                          c.resumed_context, cpu_s)
 
     def _append(self, seq: Sequence, tok: int) -> TokenOut:
         seq.output_ids.append(tok)

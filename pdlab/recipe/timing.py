@@ -107,6 +107,8 @@ class HostTiming(Section):
                                "the router this far apart, as a burst does)", _ms)
     admit_ms: float = spec(0.0, f"{MS} (a decode worker's own time per hand-over it admits, beyond gap_ms: reading "
                                 "it, reserving and pulling, admitting, sending its first token)", _ms)
+    admit_ktok_ms: float = spec(0.0, f"{MS} per 1000 prompt tokens a decode worker pulls, beyond admit_ms (a pull's "
+                                     "copy shares the worker's core: its next step waits for part of it)", _ms)
 
 
 def _factor(v: Any) -> float:

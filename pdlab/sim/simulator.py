@@ -25,7 +25,8 @@ workers spread out, as a run's does); a hand-over reaches the decode side `hando
 messages between steps; push: the decode worker admits the request that long after the KV landed). A
 request whose KV lands while its decode worker steps is admitted, and its first token sent, when that step
 ends: a worker reads its landings between steps, and its second token is a whole step later; each hand-over
-it admits puts `admit_ms` more before its next step (its own time for it: reserving, pulling, admitting). So
+it admits puts `admit_ms` more before its next step (its own time for it: reserving, pulling, admitting), and
+a pull `admit_ktok_ms` per 1000 prompt tokens copied more (the copy shares the worker's core). So
 simulated TTFT and ITL carry the time a run's do around its steps. Tokens are stamped at step ends.
 
 Contention (the profile's `contention`, pdlab.timing.contention): a step takes prefill_x (decode_x for a
@@ -125,6 +126,8 @@ class Simulator:
         host = self.timing.host
         self.gap_s, self.hop_s, self.handoff_s = host.gap_ms / 1e3, host.hop_ms / 1e3, host.handoff_ms / 1e3
         self.send_s, self.admit_s = host.send_ms / 1e3, host.admit_ms / 1e3
+        # a pull's copy runs on the decode worker's core; a push's on its prefill worker's
+        self.admit_tok_s = host.admit_ktok_ms / 1e6 if self.mode == "pull" else 0.0
         stand_in = load_stand_in(variant.model)
         self.workers: dict[str, _Worker] = {}
         unknown = set(paces or {}) - {w.name for w in dep.workers}
@@ -250,7 +253,9 @@ class Simulator:
             # a worker reads its messages and landings between steps: mid-step, the request is admitted, and
             # its first token sent, when the step ends (the token 2 then follows one gap and one step later)
             admitted = max(now, d.step_end) if d.step_end is not None else now
-            d.free_at = max(d.free_at, admitted) + self.admit_s  # its own time for it, before its next step
+            copied = max(len(r.wr.prompt_ids) - skip * d.engine.config.block_size, 0)
+            # its own time for it (and a pull's copy), before its next step
+            d.free_at = max(d.free_at, admitted) + self.admit_s + self.admit_tok_s * copied
             r.phases["admitted"] = admitted
             p.engine.release(rid)
             p.holds.discard(rid)

@@ -135,7 +135,8 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     if not transfers:
         report.append("transfer: no transport measured")
     if host is not None:
-        report.append("host time: " + ", ".join(f"{k} {v:.3g} ms" for k, v in host_raw(host).items()) +
+        report.append("host time: " + ", ".join(f"{k} {v:.3g} ms" + (" per 1000 prompt tokens" if "ktok" in k else "")
+                                                for k, v in host_raw(host).items()) +
                       f" (samples: {host['samples']})")
     if fit.get("contention"):
         report.append(f"contention (the probe's workers stepping together and after idling): "

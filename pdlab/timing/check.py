@@ -90,6 +90,7 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
             continue
         host = host_times(mine, [r for r in requests if r.get("variant") == name])
         out[name] = {"profile": p.name, "by": by, "modelled": v.model.modelled, **res, "host": host,
+                     "cpu_share": cpu_shares(mine),
                      "profile_host": p.host.to_raw(),
                      "contention": None if v.model.modelled else contention_raw(estimate(p.step.to_raw(), mine)),
                      "profile_contention": p.contention.to_raw(),
@@ -97,6 +98,18 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
                      "pace": None if v.model.modelled else ratio(list(((paces or {}).get(name) or {}).values()),
                                                                   p.pace_ms)}
     return out
+
+
+def cpu_shares(steps: list[dict]) -> dict[str, float]:
+    """worker -> its steps' own CPU time over their wall time (`cpu_s`: CPU workers that compute). Below 1, other
+    processes took the rest of its core while it stepped: on a box with no spare core, the router and harness."""
+    by: dict[str, list[float]] = {}
+    for s in steps:
+        if s.get("cpu_s") is not None and s["end"] > s["start"]:
+            t = by.setdefault(s.get("worker") or "?", [0.0, 0.0])
+            t[0] += s["cpu_s"]
+            t[1] += s["end"] - s["start"]
+    return {w: min(c / wall, 1.0) for w, (c, wall) in sorted(by.items()) if wall > 0}
 
 
 def worst_mape(result: dict) -> Optional[float]:
@@ -127,7 +140,9 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
                    f"steps]" + (f"; host ms {host} [run (profile)]" if host else "") +
                    (f"; contention {contention} [run (profile)]" if contention else "") +
                    (f"; the box's pace x{pace:.2f} the profile's (a fixed computation timed at each worker's start)"
-                    if pace is not None else ""))
+                    if pace is not None else "") +
+                   ("; own CPU " + ", ".join(f"{w} {x:.2f}" for w, x in c["cpu_share"].items()) +
+                    " of their steps' time (the rest: other processes on their cores)" if c.get("cpu_share") else ""))
         for k, e in c["kinds"].items():
             if not e.get("steps") or e["mape_pct"] <= PROFILE_CHECK_MAPE_PCT:
                 continue

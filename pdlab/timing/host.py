@@ -16,6 +16,12 @@
   worker's median gap with none admitted, divided by the hand-overs admitted in it (`phases.admitted`). On the
   2-core Xeon 0.6-1.1 ms each (a gap of 0.2 ms with none, 0.8-1.35 with one, 4.6 with six), a stall in the
   ITL of every request the worker decodes.
+- admit_ktok: what a pull adds to that per 1000 prompt tokens. A pull's copy runs beside the decode worker's
+  loop on its core (pdlab.kv.pull), so the worker's next step waits for part of it: on the 2-core Xeon a gap
+  with one pull admitted grew 0.5-0.9 ms per 1000 tokens (cpu-demo, 2 KB a token; admit about 0.6 ms at none).
+  Read only where the pulls' prompts span MIN_SPAN_KTOK or more (else 0 and admit is the plain median), by a
+  Theil-Sen line through each gap's (prompt tokens, time) per hand-over: a few gaps the OS stretched do not
+  tilt it. A push's KV is written by its prefill worker: its admits have no such term.
 
 Each figure is the median over its samples (None without any); the samples counted are reported beside.
 Steps and requests are a run's steps.jsonl and requests.jsonl lines (or the same fields from a cluster).
@@ -29,7 +35,8 @@ from collections import defaultdict
 from typing import Optional
 
 MIN_SAMPLES = 3  # fewer than this: the figure is not estimated
-FIGURES = ("gap_ms", "hop_ms", "handoff_ms", "send_ms", "admit_ms")  # what host_times estimates (`host` keys)
+FIGURES = ("gap_ms", "hop_ms", "handoff_ms", "send_ms", "admit_ms", "admit_ktok_ms")  # host_times's `host` keys
+MIN_SPAN_KTOK = 0.2  # thousands of prompt tokens the pulls admitted must span for admit_ktok_ms to be read
 
 
 class _Timeline:
@@ -104,31 +111,58 @@ def host_times(steps: list[dict], requests: list[dict]) -> dict:
         if b >= a and not dec.busy(a) and not dec.started_between(a, b):
             handoffs.append(b - a)
     g, sn, ad = gaps(steps), sends(requests), admits(steps, requests)
+    admit_ms, ktok_ms = admit_fit(ad)
     return {"gap_ms": _median(g), "hop_ms": _median(hops), "handoff_ms": _median(handoffs), "send_ms": _median(sn),
-            "admit_ms": _median(ad),
+            "admit_ms": admit_ms, "admit_ktok_ms": ktok_ms,
             "samples": {"gaps": len(g), "hops": len(hops), "handoffs": len(handoffs), "sends": len(sn),
                         "admits": len(ad)}}
 
 
-def admits(steps: list[dict], requests: list[dict]) -> list[float]:
-    """Seconds a decode worker spent per hand-over it admitted between two back-to-back steps, beyond its
-    median gap with none admitted (in the same variant, rate and repeat)."""
-    admitted: dict[tuple, list[float]] = defaultdict(list)
+def admits(steps: list[dict], requests: list[dict]) -> list[tuple[float, float, bool]]:
+    """One row per gap between back-to-back steps of a decode worker in which it admitted hand-overs: (seconds
+    per hand-over beyond its median gap with none admitted, in the same variant, rate and repeat; thousands of
+    prompt tokens per hand-over; whether every one of them was a pull)."""
+    admitted: dict[tuple, list[tuple[float, float, bool]]] = defaultdict(list)
     for r in requests:
         ph = r.get("phases") or {}
         if r.get("decode_worker") and r.get("decode_worker") != r.get("prefill_worker") and "admitted" in ph:
-            admitted[_key(r, r["decode_worker"])].append(ph["admitted"])
+            pulled = "transfer_start" in ph and "prefill_end" in ph and ph["transfer_start"] >= ph["prefill_end"]
+            tokens = (r.get("prompt_len") or 0) - (r.get("cached_tokens") or 0)
+            admitted[_key(r, r["decode_worker"])].append((ph["admitted"], tokens / 1000.0, pulled))
     out = []
     for k, pairs in back_to_back([s for s in steps if s.get("role") == "decode"]).items():
-        times = sorted(admitted.get(k, []))
-        rows = [(b["start"] - a["end"], bisect.bisect_right(times, b["start"]) - bisect.bisect_left(times, a["end"]))
-                for a, b in pairs]
-        plain = [g for g, n in rows if n == 0]
+        got = sorted(admitted.get(k, []))
+        times = [t for t, _, _ in got]
+        rows = []
+        for a, b in pairs:
+            ins = got[bisect.bisect_left(times, a["end"]):bisect.bisect_right(times, b["start"])]
+            rows.append((b["start"] - a["end"], ins))
+        plain = [g for g, ins in rows if not ins]
         if len(plain) < MIN_SAMPLES:
             continue
         base = statistics.median(plain)
-        out += [(g - base) / n for g, n in rows if n > 0]
+        out += [((g - base) / len(ins), sum(t for _, t, _ in ins) / len(ins), all(p for _, _, p in ins))
+                for g, ins in rows if ins]
     return out
+
+
+def admit_fit(rows: list[tuple[float, float, bool]]) -> tuple[Optional[float], Optional[float]]:
+    """(admit_ms, admit_ktok_ms) from `admits` rows: a Theil-Sen line through the pulls' (thousands of tokens,
+    ms) where their tokens span MIN_SPAN_KTOK, its slope no less than 0; else the median of every row, and 0
+    for pulls all alike (their copy is in the median), None for pushes. (None, None): fewer than MIN_SAMPLES
+    rows."""
+    if len(rows) < MIN_SAMPLES:
+        return None, None
+    pulls = [(x, y * 1000.0) for y, x, pulled in rows if pulled]
+    if len(pulls) < MIN_SAMPLES:  # pushes: nothing said of a pull's copy
+        return _median([y for y, _, _ in rows]), None
+    xs = [x for x, _ in pulls]
+    if max(xs) - min(xs) < MIN_SPAN_KTOK:  # pulls all alike: the median holds their copy
+        return _median([y for y, _, _ in rows]), 0.0
+    slopes = [(yb - ya) / (xb - xa) for i, (xa, ya) in enumerate(pulls) for xb, yb in pulls[i + 1:]
+              if abs(xb - xa) >= MIN_SPAN_KTOK / 4]
+    slope = max(statistics.median(slopes), 0.0) if slopes else 0.0
+    return statistics.median(y - slope * x for x, y in pulls), slope
 
 
 def sends(requests: list[dict]) -> list[float]:

@@ -22,7 +22,8 @@ import numpy as np
 
 REQUESTS = 8
 BURST = 8  # requests submitted together after them
-PROMPTS = (64, 256)  # prompt lengths drawn uniformly from this range
+PROMPTS = (64, 1024)  # prompt lengths drawn uniformly from this range (within the model's context): pulls of
+#                       several lengths, whose admit time grows with them (pdlab.timing.host admit_ktok)
 OUTPUT = 64  # tokens each: the first steps of a new decode batch run slower (measure.DECODE_LEAD); 16 left mostly those
 CO_REQUESTS = 12  # staggered, so that prefills run beside decodes
 CO_OUTPUT = 48
@@ -63,14 +64,18 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         if say:
             say(f"host time: a 1P1D pull deployment on cpu:{cores[0]} and cpu:{cores[-1]}, {REQUESTS} requests "
                 f"one at a time, then {BURST} together, then {CO_REQUESTS} staggered")
-        vocab = model_config(spec).vocab_size
+        cfg = model_config(spec)
+        vocab = cfg.vocab_size
+        context = int(getattr(cfg, "max_position_embeddings", 0) or PROMPTS[1] * 2)
+        lengths = (min(PROMPTS[0], context // 4), max(min(PROMPTS[1], context - OUTPUT - 1), PROMPTS[0] + 1))
         deadline = time.monotonic() + TIMEOUT_S
 
         def serve(ids: list[str], output: int = OUTPUT, stagger: bool = False) -> None:
             """Submit `ids` together (stagger: one each STAGGER_STEPS decode steps), then read events until all
             are done (and both workers idle again)."""
-            queue = [(rid, rng.integers(3, vocab, size=int(rng.integers(*PROMPTS))).tolist()) for rid in ids]
+            queue = [(rid, rng.integers(3, vocab, size=int(rng.integers(*lengths))).tolist()) for rid in ids]
             arrivals: dict[str, float] = {}
+            prompt_lens = {rid: len(prompt) for rid, prompt in queue}
 
             def submit(n: int) -> None:
                 now = time.monotonic()  # made before: a burst's spacing is the router's alone, as a harness's is
@@ -97,6 +102,7 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
                             raise RuntimeError(f"the host-time probe's request {e.req_id} failed: {e.error}")
                         left.discard(e.req_id)
                         requests.append({**tag, "id": e.req_id, "arrival": arrivals[e.req_id], "ok": True,
+                                         "prompt_len": prompt_lens[e.req_id],
                                          "phases": dict(e.phases), "prefill_worker": e.prefill_worker,
                                          "decode_worker": e.decode_worker})
             for e in cluster.poll(IDLE_S):  # the last step records, then both workers idle

@@ -37,7 +37,7 @@ TARGETS = {"ttft_p50": 0.20, "ttft_p90": 0.25, "itl_p90": 0.25, "attainment": 0.
 LATENCIES = ("ttft_p50", "ttft_p90", "itl_p90")
 # host times a replay takes from the run; not its gaps, which its WorkerPace draws from, nor admit_ms: those
 # drawn gaps hold the ones a hand-over lengthened, which the replay then does not add again
-HOPS = tuple(k for k in FIGURES if k not in ("gap_ms", "admit_ms"))
+HOPS = tuple(k for k in FIGURES if k not in ("gap_ms", "admit_ms", "admit_ktok_ms"))
 
 
 class ReplayError(ValueError):
@@ -213,7 +213,7 @@ def replay(run: Any, profile: Optional[TimingProfile] = None, checks: Optional[d
             raise ReplayError(f"variant {name}: the run's steps name workers its deployment does not have "
                               f"({', '.join(sorted(set(mine) - set(workers)))}): was the recipe edited after the run?")
         own = {k: c["host"][k] for k in HOPS if c["host"].get(k) is not None}  # the run's, where it measured them
-        base = base.replace(host=base.host.replace(**own, admit_ms=0.0))
+        base = base.replace(host=base.host.replace(**own, admit_ms=0.0, admit_ktok_ms=0.0))
         r = parse_recipe(replay_raw(run.recipe, run.summary, run.requests, name, base))
         res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()}, paces={name: mine})
         s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: r.rates for n in r.variants},

@@ -7,8 +7,9 @@ each request's decode steps run back to back, so the gaps between them are too. 
 requests submitted together, as a run's harness submits requests that are due (all of them at rate inf): the
 router takes them one at a time, and their arrivals there, apart, give the send time. The burst's batched
 steps add to the gap samples too. Last, CO_REQUESTS requests with longer outputs, each submitted once the
-decode worker has taken STAGGER_STEPS steps since the one before: each prefill runs beside the decoding of
-the requests before it, so both workers step together, as a run's do. Its steps, with the one-at-a-time
+decode worker has taken STAGGER_STEPS steps with the one before: each prefill runs beside the decoding of
+the requests before it, so both workers step together, as a run's do, and each hand-over is admitted on its
+own between two decode steps (the admit time of pulls of several lengths). Its steps, with the one-at-a-time
 ones (each worker alone), give the contention figures (pdlab.timing.contention), which need the step model:
 the probe returns its steps for `pdlab profile` to estimate them once the model is fitted.
 """
@@ -25,7 +26,7 @@ BURST = 8  # requests submitted together after them
 PROMPTS = (64, 1024)  # prompt lengths drawn uniformly from this range (within the model's context): pulls of
 #                       several lengths, whose admit time grows with them (pdlab.timing.host admit_ktok)
 OUTPUT = 64  # tokens each: the first steps of a new decode batch run slower (measure.DECODE_LEAD); 16 left mostly those
-CO_REQUESTS = 12  # staggered, so that prefills run beside decodes
+CO_REQUESTS = 20  # staggered, so that prefills run beside decodes (and pulls are admitted one at a time)
 CO_OUTPUT = 48
 STAGGER_STEPS = 4  # decode steps between one staggered submission and the next
 IDLE_S = 0.05  # between one request's end and the next one's submission: both workers idle again
@@ -47,7 +48,7 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
     from pdlab.engine.config import EngineConfig
     from pdlab.engine.model import model_config
     from pdlab.recipe.deployment import Deployment
-    from pdlab.serve.cluster import Cluster, RequestDone, StepEvent
+    from pdlab.serve.cluster import Cluster, RequestDone, StepEvent, TokenEvent
     from pdlab.timing.host import host_times
 
     spec = _model_spec(model, dtype)
@@ -71,8 +72,9 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         deadline = time.monotonic() + TIMEOUT_S
 
         def serve(ids: list[str], output: int = OUTPUT, stagger: bool = False) -> None:
-            """Submit `ids` together (stagger: one each STAGGER_STEPS decode steps), then read events until all
-            are done (and both workers idle again)."""
+            """Submit `ids` together (stagger: one each STAGGER_STEPS decode steps with the one before, counted
+            from its first token from the decode worker), then read events until all are done (and both workers
+            idle again)."""
             queue = [(rid, rng.integers(3, vocab, size=int(rng.integers(*lengths))).tolist()) for rid in ids]
             arrivals: dict[str, float] = {}
             prompt_lens = {rid: len(prompt) for rid, prompt in queue}
@@ -85,18 +87,20 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
                 del queue[:n]
 
             submit(1 if stagger else len(queue))
-            left, decoded = set(ids), 0
+            left, last, decoded = set(ids), ids[0], None  # decode steps since `last` decoded (None: not yet)
             while left:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the host-time probe did not finish within {TIMEOUT_S:.0f} s")
                 for e in cluster.poll(0.2):
-                    if isinstance(e, StepEvent):
+                    if isinstance(e, TokenEvent) and e.req_id == last and e.index >= 1 and decoded is None:
+                        decoded = 0
+                    elif isinstance(e, StepEvent):
                         steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
-                        if stagger and queue and e.role == "decode" and e.record.get("decode_seqs"):
+                        if stagger and queue and decoded is not None and e.role == "decode":
                             decoded += 1
                             if decoded >= STAGGER_STEPS:
+                                last, decoded = queue[0][0], None
                                 submit(1)
-                                decoded = 0
                     elif isinstance(e, RequestDone) and e.req_id in left:
                         if not e.ok:
                             raise RuntimeError(f"the host-time probe's request {e.req_id} failed: {e.error}")

@@ -11,6 +11,7 @@ from pdlab.sim.pace import LEVELS, WorkerPace, draw, quantiles
 from pdlab.sim.worker_time import WorkerTime
 from pdlab.sim.simulator import Simulator
 from pdlab.timing.host import host_times
+from pdlab.timing.records import COUNTS
 from pdlab.workload import build_requests
 
 TIMING = {"fixed_ms": 2, "prefill_token_ms": 0.5, "decode_seq_ms": 1}
@@ -175,3 +176,41 @@ def test_a_pull_adds_admit_ktok_ms_per_1000_tokens_it_copied_and_a_push_does_not
     assert h["admit_ms"] == pytest.approx(0.5, abs=0.05) and h["admit_ktok_ms"] == pytest.approx(4.0, rel=0.05)
     push = host_times(*run("push")[::-1])
     assert push["admit_ms"] == pytest.approx(0.5, abs=0.05) and push["admit_ktok_ms"] is None
+
+
+def test_the_main_process_takes_its_time_from_the_workers_cores_only_where_it_has_none_of_its_own():
+    """contention.main_step_ms on a box where the deployment leaves the main process no core: each worker's steps
+    take longer by what it takes while both step (pdlab.sim.host_load), and most from the one that idles most
+    (a 1P1D prefill worker, against its decode worker); with a core of its own nothing changes. The tokens are
+    the same either way."""
+    def run(shares, dep):
+        step = {**TIMING, "prefill_token_ms": 0.05}  # the prefill worker idles more than the decode worker
+        raw = {"model": {"preset": "tiny-llama", "timing": {"name": "t", "step": step, "kv_bytes_per_token": 512,
+                                                            "transfer": {"shm": {"gbps": 1, "latency_ms": 1}},
+                                                            "contention": {"main_step_ms": 0.5}}},
+               "engine": {"block_size": 8, "kv_blocks": 1024, "max_running": 32},
+               "workload": {"requests": 40, "input_len": {"kind": "uniform", "min": 20, "max": 200},
+                            "output_len": {"kind": "fixed", "value": 32}},
+               "rates": [30], "slo": {"ttft_ms": 1000, "itl_ms": 50}, "variants": {"v": {"deployment": dep}}}
+        v = parse_recipe(raw).resolved("v")
+        sim = Simulator(v, v.slo, shares_cores=shares)
+        recs, steps, _ = sim.run(build_requests(v.workload, 30.0, seed=2, vocab_size=512), 30.0)
+        model = v.model.timing
+        over = {}
+        for s in steps:
+            ms = model.step_s(*(s[k] for k in COUNTS)) * 1e3
+            over.setdefault(s["worker"], []).append((s["end"] - s["start"]) * 1e3 / ms)
+        return {r["id"]: r["output_ids"] for r in recs}, over
+
+    pd = {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]}, "mode": "pull"}
+    unified = {"unified": {"replicas": 2, "devices": ["cpu:0", "cpu:1"]}}
+    for dep in (pd, unified):
+        toks, shared = run(True, dep)
+        toks0, own = run(False, dep)
+        assert toks == toks0
+        assert all(x == pytest.approx(1.0) for xs in own.values() for x in xs)  # a core of its own: the model
+        assert all(x >= 1.0 - 1e-9 for xs in shared.values() for x in xs)
+        assert all(max(xs) > 1.0 for xs in shared.values())
+    _, shared = run(True, pd)
+    mean = {w: sum(xs) / len(xs) for w, xs in shared.items()}
+    assert mean["prefill0"] - 1 > 2 * (mean["decode0"] - 1)  # the prefill worker idles most: it loses most

@@ -49,6 +49,19 @@ def cpu_cores() -> list[int]:
     return list(_CORES)
 
 
+def main_shares_cores(dep: Deployment) -> bool:
+    """Whether a run of deployment `dep` here leaves its main process (router, harness) no core of its own: every
+    worker on this machine's CPU cores, and none of the cores this process may use spare (`pdlab run` moves it
+    off the workers' cores when one is)."""
+    cores: set[int] = set()
+    for w in dep.workers:
+        devices = parse_devices(list(w.devices))
+        if w.node is not None or any(d.kind != "cpu" for d in devices):
+            return False
+        cores.update(d.index for d in devices)
+    return bool(cores) and not set(cpu_cores()) - cores
+
+
 def gpu_ids() -> list[str]:
     """GPU entries this process may use, by visible index (no CUDA context is created)."""
     return gpu_inventory.gpu_entries()

@@ -60,6 +60,8 @@ from pdlab.kv.copy import copy_blocks
 from pdlab.measure.metrics import build_request_record
 from pdlab.recipe import SLO, Variant
 from pdlab.serve.placement import WorkerView, choose_decode, least_loaded, mirrors_caches, place_arrival
+from pdlab.serve.topology import main_shares_cores
+from pdlab.sim.host_load import HostLoad
 from pdlab.sim.pace import WorkerPace
 from pdlab.sim.worker_time import WorkerTime
 from pdlab.workload import WorkloadRequest
@@ -113,7 +115,11 @@ class Simulator:
     """One variant's deployment, simulated. `run(reqs, rate, repeat)` returns (requests, steps, transfers).
     `paces`: worker name -> its pace (pdlab.sim.pace); a worker without one takes the profile as it is."""
 
-    def __init__(self, variant: Variant, slo: SLO, paces: Optional[dict[str, WorkerPace]] = None):
+    def __init__(self, variant: Variant, slo: SLO, paces: Optional[dict[str, WorkerPace]] = None,
+                 shares_cores: Optional[bool] = None):
+        """`shares_cores`: whether a run of this deployment leaves its main process no core of its own (then the
+        profile's contention.main_step_ms comes from the workers' steps, pdlab.sim.host_load); None: as it would
+        on this machine (topology.main_shares_cores)."""
         if not variant.model.modelled:
             raise ValueError(f"variant {variant.name}: the simulator needs a modelled timing (model.timing)")
         self.v, self.slo, self.timing = variant, slo, variant.model.timing
@@ -141,6 +147,11 @@ class Simulator:
             eng = Engine(stand_in, variant.engine, role=w.role, step_timing=timing, clock=clock)
             self.workers[w.name] = _Worker(w.name, w.role, eng, clock, timing)
         self.layers = next(iter(self.workers.values())).engine.dims["layers"]
+        shares = main_shares_cores(dep) if shares_cores is None else shares_cores
+        step_ms = self.timing.contention.main_step_ms
+        self.host = HostLoad(step_ms, list(self.workers)) if shares and step_ms > 0 else None
+        for w in self.workers.values():
+            w.timing.host = self.host
 
     def _of(self, role: str) -> list[_Worker]:
         return [w for w in self.workers.values() if w.role == role]
@@ -178,6 +189,8 @@ class Simulator:
             w.clock.advance_to(t)
             w.free_at = t
         t0 = max(w.free_at for w in self.workers.values()) + 1.0
+        if self.host is not None:
+            self.host.begin(t0)
         state = {r.id: _Req(r, t0 + (0.0 if math.isinf(r.arrival) else r.arrival)) for r in reqs}
         self._records: list[dict] = []
         self._steps: list[dict] = []
@@ -332,6 +345,8 @@ class Simulator:
         if out.record is None and not out.tokens:
             return False
         end = w.step_end = w.clock.t
+        if self.host is not None:
+            self.host.stepped(w.name, start, end)
         # the worker's own time before its next step
         w.free_at = end + w.timing.gap_s(self.gap_s)
         if out.record is not None:

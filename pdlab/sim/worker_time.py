@@ -8,6 +8,8 @@ one is given, on a host it shares with the deployment's other workers.
   drawn.
 - gap: the worker's own time before its next step: drawn from its pace's gap quantiles, or the profile's
   `host.gap_ms`.
+- host: on a box where the main process shares the workers' cores, the time it takes from this worker's
+  (pdlab.sim.host_load; the simulator sets `host`).
 
 Before each of its steps the simulator sets `step_start`, `cold` and `others` (for each other worker: whether
 it has work, so steps through this step back to back, and when its step in progress ends; None: none).
@@ -24,6 +26,7 @@ import random
 import zlib
 from typing import Any, Optional
 
+from pdlab.sim.host_load import HostLoad
 from pdlab.sim.pace import WorkerPace, draw
 from pdlab.workload import rate_tag
 
@@ -37,6 +40,7 @@ class WorkerTime:
         self.step_rng, self.gap_rng = random.Random(0), random.Random(0)
         self.step_start, self.cold, self.others = 0.0, False, []
         self.since_prefill: Optional[int] = None  # decode-only steps since its last with prefill tokens
+        self.host: Optional[HostLoad] = None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.profile, name)
@@ -49,13 +53,20 @@ class WorkerTime:
         self.gap_rng.seed(zlib.crc32(key.encode()))  # stable across processes
         self.step_rng.seed(zlib.crc32(f"{key}/steps".encode()))
 
+    def through(self, step_s: float) -> list[float]:
+        """Each other worker's share of [step_start, step_start + step_s] it steps through."""
+        return [1.0 if work else 0.0 if end is None else min(max(end - self.step_start, 0.0) / max(step_s, 1e-12), 1.0)
+                for work, end in self.others]
+
     def share(self, step_s: float) -> float:
         """The share of the other workers stepping over [step_start, step_start + step_s]."""
-        if not self.others:
-            return 0.0
-        return sum(1.0 if work else 0.0 if end is None else
-                   min(max(end - self.step_start, 0.0) / max(step_s, 1e-12), 1.0)
-                   for work, end in self.others) / len(self.others)
+        xs = self.through(step_s)
+        return sum(xs) / len(xs) if xs else 0.0
+
+    def least(self, step_s: float) -> Optional[float]:
+        """The least share of the step any other worker steps through (None: no other worker)."""
+        xs = self.through(step_s)
+        return min(xs) if xs else None
 
     def step_s(self, *counts: int) -> float:
         s = self.profile.step_s(*counts) * self.factor
@@ -63,6 +74,8 @@ class WorkerTime:
         prefill = counts[0] > 0
         out = self.contention.step_s(s, prefill, self.share(s), self.cold, u, self.since_prefill)
         self.since_prefill = 0 if prefill else None if self.since_prefill is None else self.since_prefill + 1
+        if self.host is not None:
+            out *= self.host.factor(self.worker, self.step_start, self.least(out))
         return out
 
     def gap_s(self, default_s: float) -> float:

@@ -102,6 +102,8 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                                         "contention); cold_ms and the decode spreads kept, prefill_x and decode_x "
                                         "from a run's steps (pdlab profile --check RUN --profile FILE "
                                         "--write-host)"}
+    if host is not None and host.get("main_step_ms") is not None:  # the probe's own CPU time per worker step
+        contention = {**(contention or {}), "main_step_ms": round(host["main_step_ms"], 4)}
     fitted = after_prefill_fit(dict(enumerate(res["after_prefill"]["by_k"])), res["after_prefill"]["settled"]) \
         if res.get("after_prefill") else None
     if fitted is not None:  # pdlab.timing.after_prefill: measured in the worker-like process, beside the steps

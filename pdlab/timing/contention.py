@@ -201,7 +201,8 @@ def spread(ratios: list[tuple[int, float]]) -> tuple[float, ...]:
 
 
 SPREADS = ("decode_spread", "decode_spread_beside")
-FIGURES = ("prefill_x", "decode_x", "cold_ms", "after_prefill_x", "after_prefill_decay") + SPREADS  # its keys
+FIGURES = ("prefill_x", "decode_x", "cold_ms", "after_prefill_x", "after_prefill_decay") + SPREADS + (
+    "main_step_ms",)  # its keys
 
 
 def contention_raw(est: dict) -> dict:
@@ -232,6 +233,8 @@ def describe(raw: dict) -> str:
     spreads = [f"{tail(raw[k])} {'beside' if k.endswith('beside') else 'alone'}" for k in SPREADS if raw.get(k)]
     if spreads:
         parts.append("decode steps spread " + ", ".join(spreads))
+    if raw.get("main_step_ms") is not None:
+        parts.append(f"the main process {raw['main_step_ms']:.3g} ms a worker step")
     return "; ".join(parts) or "none"
 
 

@@ -213,7 +213,9 @@ def replay(run: Any, profile: Optional[TimingProfile] = None, checks: Optional[d
             raise ReplayError(f"variant {name}: the run's steps name workers its deployment does not have "
                               f"({', '.join(sorted(set(mine) - set(workers)))}): was the recipe edited after the run?")
         own = {k: c["host"][k] for k in HOPS if c["host"].get(k) is not None}  # the run's, where it measured them
-        base = base.replace(host=base.host.replace(**own, admit_ms=0.0, admit_ktok_ms=0.0))
+        # the paces hold what the main process took from the workers' cores: not taken again (host_load)
+        base = base.replace(host=base.host.replace(**own, admit_ms=0.0, admit_ktok_ms=0.0),
+                            contention=base.contention.replace(main_step_ms=0.0))
         r = parse_recipe(replay_raw(run.recipe, run.summary, run.requests, name, base))
         res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()}, paces={name: mine})
         s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: r.rates for n in r.variants},

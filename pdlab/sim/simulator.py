@@ -91,6 +91,7 @@ class _Worker:
     free_at: float = 0.0
     step_end: Optional[float] = None  # when its last step ended (None: none yet)
     holds: set = field(default_factory=set)
+    waited: bool = True  # it had nothing left to step after its last step: its core idled until this one
 
 
 @dataclass
@@ -190,7 +191,7 @@ class Simulator:
             w.free_at = t
         t0 = max(w.free_at for w in self.workers.values()) + 1.0
         if self.host is not None:
-            self.host.begin(t0)
+            self.host.begin()
         state = {r.id: _Req(r, t0 + (0.0 if math.isinf(r.arrival) else r.arrival)) for r in reqs}
         self._records: list[dict] = []
         self._steps: list[dict] = []
@@ -340,13 +341,15 @@ class Simulator:
         # millisecond); one without, until its step in progress ends
         w.timing.step_start = start
         w.timing.others = [(o.engine.has_work(), o.step_end) for o in self.workers.values() if o is not w]
+        w.timing.waited = w.waited
         w.timing.cold = w.step_end is None or start - w.step_end >= COLD_AFTER_MS / 1e3
         out = w.engine.step()
         if out.record is None and not out.tokens:
             return False
         end = w.step_end = w.clock.t
+        w.waited = not w.engine.has_work()
         if self.host is not None:
-            self.host.stepped(w.name, start, end)
+            self.host.stepped(end)
         # the worker's own time before its next step
         w.free_at = end + w.timing.gap_s(self.gap_s)
         if out.record is not None:

@@ -11,8 +11,9 @@ one is given, on a host it shares with the deployment's other workers.
 - host: on a box where the main process shares the workers' cores, the time it takes from this worker's
   (pdlab.sim.host_load; the simulator sets `host`).
 
-Before each of its steps the simulator sets `step_start`, `cold` and `others` (for each other worker: whether
-it has work, so steps through this step back to back, and when its step in progress ends; None: none).
+Before each of its steps the simulator sets `step_start`, `cold`, `waited` (it had waited for work) and
+`others` (for each other worker: whether it has work, so steps through this step back to back, and when its
+step in progress ends; None: none).
 `begin(rate, repeat)` before each run: the pace's factor for that rate and repeat, and the draws seeded by
 worker, rate and repeat, so a simulation repeats exactly (steps and gaps from streams of their own).
 
@@ -39,6 +40,7 @@ class WorkerTime:
         self.spreads = bool(self.contention.decode_spread or self.contention.decode_spread_beside)
         self.step_rng, self.gap_rng = random.Random(0), random.Random(0)
         self.step_start, self.cold, self.others = 0.0, False, []
+        self.waited = True  # it waited for work before this step (its core idled)
         self.since_prefill: Optional[int] = None  # decode-only steps since its last with prefill tokens
         self.host: Optional[HostLoad] = None
 
@@ -75,7 +77,7 @@ class WorkerTime:
         out = self.contention.step_s(s, prefill, self.share(s), self.cold, u, self.since_prefill)
         self.since_prefill = 0 if prefill else None if self.since_prefill is None else self.since_prefill + 1
         if self.host is not None:
-            out *= self.host.factor(self.worker, self.step_start, self.least(out))
+            out *= self.host.factor(self.worker, self.step_start, self.least(out), self.waited)
         return out
 
     def gap_s(self, default_s: float) -> float:

@@ -13,12 +13,13 @@ own between two decode steps (the admit time of pulls of several lengths). Its s
 ones (each worker alone), give the contention figures (pdlab.timing.contention), which need the step model:
 the probe returns its steps for `pdlab profile` to estimate them once the model is fitted. And the probe's own
 CPU time over the steps its workers took: the main process's time per worker step (contention.main_step_ms,
-pdlab.sim.host_load). Its loop is a run's router without the harness's records and request metrics, so it
-reads low: 0.20 ms on the 2-core Xeon, where a run's main process spent 0.25-0.38 ms a worker step.
+pdlab.sim.host_load): its loop writes the records a run's harness writes (each step's line, each request's
+record with its metrics) to a scratch run directory, so that its time is a run's.
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
 from typing import Any, Callable, Optional
 
@@ -49,6 +50,9 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
     core: both on it), by pdlab.timing.host.host_times; plus `requests`, the requests served, and `steps`,
     their step records (for pdlab.timing.contention)."""
     from pdlab.engine.config import EngineConfig
+    from pdlab.measure.metrics import build_request_record
+    from pdlab.measure.records import RunDir
+    from pdlab.recipe.slo import SLO
     from pdlab.engine.model import model_config
     from pdlab.recipe.deployment import Deployment
     from pdlab.serve.cluster import Cluster, RequestDone, StepEvent, TokenEvent
@@ -63,7 +67,9 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
     steps: list[dict] = []
     requests: list[dict] = []
     tag = {"variant": "host", "rate": 0.0, "repeat": 0}
-    with Cluster(spec, EngineConfig(), dep, seed=seed) as cluster:
+    slo = SLO(ttft_ms=1000.0, itl_ms=100.0)  # a run's records carry a verdict; the probe's is not read
+    with Cluster(spec, EngineConfig(), dep, seed=seed) as cluster, tempfile.TemporaryDirectory() as scratch, \
+            RunDir(scratch) as rd:
         cluster.start()
         if say:
             say(f"host time: a 1P1D pull deployment on cpu:{cores[0]} and cpu:{cores[-1]}, {REQUESTS} requests "
@@ -80,7 +86,8 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
             idle again)."""
             queue = [(rid, rng.integers(3, vocab, size=int(rng.integers(*lengths))).tolist()) for rid in ids]
             arrivals: dict[str, float] = {}
-            prompt_lens = {rid: len(prompt) for rid, prompt in queue}
+            prompts = dict(queue)
+            times: dict[str, list[float]] = {rid: [] for rid in ids}
 
             def submit(n: int) -> None:
                 now = time.monotonic()  # made before: a burst's spacing is the router's alone, as a harness's is
@@ -94,11 +101,15 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
             while left:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"the host-time probe did not finish within {TIMEOUT_S:.0f} s")
+                batch, done = [], []
                 for e in cluster.poll(0.2):
-                    if isinstance(e, TokenEvent) and e.req_id == last and e.index >= 1 and decoded is None:
-                        decoded = 0
+                    if isinstance(e, TokenEvent):
+                        if e.req_id in times:
+                            times[e.req_id].append(e.t)
+                        if e.req_id == last and e.index >= 1 and decoded is None:
+                            decoded = 0
                     elif isinstance(e, StepEvent):
-                        steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
+                        batch.append({**tag, "worker": e.worker, "role": e.role, **e.record})
                         if stagger and queue and decoded is not None and e.role == "decode":
                             decoded += 1
                             if decoded >= STAGGER_STEPS:
@@ -108,13 +119,21 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
                         if not e.ok:
                             raise RuntimeError(f"the host-time probe's request {e.req_id} failed: {e.error}")
                         left.discard(e.req_id)
-                        requests.append({**tag, "id": e.req_id, "arrival": arrivals[e.req_id], "ok": True,
-                                         "prompt_len": prompt_lens[e.req_id],
-                                         "phases": dict(e.phases), "prefill_worker": e.prefill_worker,
-                                         "decode_worker": e.decode_worker})
-            for e in cluster.poll(IDLE_S):  # the last step records, then both workers idle
-                if isinstance(e, StepEvent):
-                    steps.append({**tag, "worker": e.worker, "role": e.role, **e.record})
+                        done.append(build_request_record(
+                            **tag, id=e.req_id, prompt_ids=prompts[e.req_id], output_ids=e.output_ids,
+                            arrival=arrivals[e.req_id], token_times=times[e.req_id], slo=slo, phases=dict(e.phases),
+                            workers={"prefill": e.prefill_worker, "decode": e.decode_worker}))
+                record(batch, done)
+            record([{**tag, "worker": e.worker, "role": e.role, **e.record}  # the last steps; both workers idle
+                    for e in cluster.poll(IDLE_S) if isinstance(e, StepEvent)], [])
+
+        def record(batch: list[dict], done: list[dict]) -> None:
+            """Keep them, and write them as a run's harness writes its records: the main process's time per
+            step is then a run's."""
+            steps.extend(batch)
+            requests.extend(done)
+            rd.append("steps", batch)
+            rd.append("requests", done)
 
         cpu0 = time.process_time()
         for i in range(REQUESTS):

@@ -90,9 +90,10 @@ def test_gaps_are_drawn_from_the_workers_quantiles_and_repeat_exactly():
 
 
 def test_a_burst_reaches_the_workers_send_ms_apart():
-    """At rate inf every request is due at once; the router takes them one at a time, send_ms each, so a
-    worker's first step starts with those that reached it by then (a run's first step at inf holds one
-    request), and the later ones wait for the next step."""
+    """At rate inf every request is due at once; the router takes them one at a time, send_ms each. An idle
+    worker steps hop_ms after the first reached it, with those that reached it by then (a run's first step at
+    inf held 7 of its 8 requests, its router sending 0.02-0.04 ms apart with hops of 0.35-0.5 ms), and the
+    later ones wait for the next step."""
     def first_step(send_ms):
         raw = {"model": {"preset": "tiny-llama", "timing": {"name": "t", "step": TIMING,
                                                             "host": {"hop_ms": 1.0, "send_ms": send_ms}}},
@@ -108,8 +109,9 @@ def test_a_burst_reaches_the_workers_send_ms_apart():
 
     together, recs = first_step(0.0)
     assert together["prefill_tokens"] == 6 * 30  # all at the worker before its first step
+    assert first_step(2.0)[0]["prefill_tokens"] == 30  # the first alone: the others come after its hop
     spread, recs = first_step(0.5)
-    assert spread["prefill_tokens"] == 30  # the first alone: the others reach it 0.5 ms apart, while it steps
+    assert spread["prefill_tokens"] == 3 * 30  # routed 0, 0.5 and 1.0 ms after the first: within its 1 ms hop
     assert len({r["ttft"] for r in recs}) > 1
     # the records say when the router took each request, as a run's do: the send time reads back from them
     assert sorted(round((r["phases"]["queued"] - recs[0]["arrival"]) * 1e3, 6) for r in recs) == \

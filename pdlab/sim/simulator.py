@@ -18,9 +18,10 @@ engine's pool into the decode engine's (the timed pools are tiny), so the decode
 holds, as a decode worker does (pdlab.engine.timed).
 
 Host time (the profile's `host`, pdlab.timing.host): a worker starts its next step `gap_ms` after its last
-one ended (its own time in between: sending tokens, reading messages); a request reaches its worker `hop_ms`
-after the router took it, and the router takes requests one at a time, `send_ms` apart (a burst reaches the
-workers spread out, as a run's does); a hand-over reaches the decode side `handoff_ms` after the prefill ended
+one ended (its own time in between: sending tokens, reading messages); the router takes requests one at a
+time, `send_ms` apart (a burst reaches the workers spread out, as a run's does), and a request in an idle
+worker's socket starts its step `hop_ms` after the router took it, with what reached the worker meanwhile (a
+stepping worker takes it at its next step); a hand-over reaches the decode side `handoff_ms` after the prefill ended
 (pull: the transfer starts then, and not before the decode worker's current step is over, since a worker reads its
 messages between steps; push: the decode worker admits the request that long after the KV landed). A
 request whose KV lands while its decode worker steps is admitted, and its first token sent, when that step
@@ -204,7 +205,7 @@ class Simulator:
         routed = -math.inf  # when the router took the last request: one at a time, send_s each
         for r in sorted(state.values(), key=lambda r: r.arrival):
             routed = r.routed = max(r.arrival, routed + self.send_s)
-            heapq.heappush(events, (routed + self.hop_s, seq, "arrive", r.wr.id))  # at its worker
+            heapq.heappush(events, (routed, seq, "arrive", r.wr.id))  # in its worker's socket (_wake: the hop)
             seq += 1
         self._events, self._seq = events, seq
         now = t0
@@ -244,7 +245,7 @@ class Simulator:
         r = self._reqs[rid]
         params = SamplingParams(max_tokens=r.wr.output_len, ignore_eos=True)
         if kind == "arrive":
-            r.phases["queued"] = r.routed  # when the router took it (send_ms behind the one before); a hop later here
+            r.phases["queued"] = r.routed  # when the router took it (send_ms behind the one before)
             to = place_arrival([self._view(w) for w in self.workers.values()], r.wr.prompt_ids, self.mode,
                                self.remote_min)
             w, r.route = self.workers[to.worker.name], to.route
@@ -255,6 +256,7 @@ class Simulator:
                 self._reserve_waiting(now)
             else:  # unified, pull's prefill worker, or a local prefill on the decode worker
                 self._give(r, w, now)
+                self._wake(w, now)
                 w.engine.add(rid, r.wr.prompt_ids, params)
                 if to.route != "remote":
                     r.seq = w.engine.sequence(rid)
@@ -287,6 +289,13 @@ class Simulator:
             r.decode = w.name
         w.clock.advance_to(now)
 
+    def _wake(self, w: _Worker, now: float) -> None:
+        """A request reaches `w`'s socket at `now`. Idle, the worker wakes, reads it and steps hop_ms later, and
+        what reaches it meanwhile joins that step (at rate inf a run's worker takes most of a burst in its first
+        step); stepping, it takes the request at its next step."""
+        if not w.engine.has_work() and w.free_at <= now:
+            w.free_at = now + self.hop_s
+
     def _reserve_waiting(self, now: float) -> None:
         """Reserve decode blocks for hand-overs waiting for room, oldest first (as decode workers do). A worker
         whose free blocks did not grow since a reservation failed there is not asked again (it would fail
@@ -316,6 +325,7 @@ class Simulator:
             else:
                 p = self._least_loaded("prefill")
                 self._give(r, p, now)
+                self._wake(p, now)
                 p.engine.add(rid, r.wr.prompt_ids, params)
         self._waiting_room = still
 

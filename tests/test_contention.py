@@ -10,7 +10,7 @@ from pdlab.recipe.timing import ContentionTiming, StepTiming, parse_timing
 from pdlab.fields import RecipeError
 from pdlab.sim.simulator import Simulator
 from pdlab.timing.contention import (AFTER_STEPS, after_prefill_fit, context, contention_raw, describe, estimate,
-                                     predicted_ms)
+                                     main_step, predicted_ms)
 from pdlab.timing.replay import worker_paces
 from pdlab.workload import build_requests
 
@@ -324,3 +324,23 @@ def test_what_a_prefill_leaves_is_not_read_again_as_co_running_or_spread():
         if est[key] is not None:
             assert est[key][-1] == pytest.approx(1.0, abs=0.05), key  # p99
     assert est["decode_spread"] is not None or est["decode_spread_beside"] is not None
+
+
+def back_to_back(worker: str, n: int, ms: float, lost_ms: float, **tag) -> list[dict]:
+    """`n` steps of `worker` back to back from t = 10 s, each `ms` long, of which `lost_ms` went to another
+    process (cpu_s is the rest)."""
+    return [dict(step(worker, 10 + i * ms / 1e3, ms, decode=4), cpu_s=(ms - lost_ms) / 1e3, **tag) for i in range(n)]
+
+
+def test_the_main_process_time_per_step_is_read_from_what_the_steps_lost():
+    """Two workers step back to back for a second, 400 steps between them: at 0.25 ms of the main process's
+    time each, it takes a tenth of a core, all of it from one of them while both step (0.5 ms of each of its
+    5 ms steps). One worker alone: it takes it from that one. Steps without cpu_s say nothing."""
+    two = back_to_back("a", 200, 5.0, 0.5) + back_to_back("b", 200, 5.0, 0.0)
+    ms, read = main_step(two, context(two))
+    assert ms == pytest.approx(0.25, rel=0.01) and read == 400
+    one = back_to_back("a", 200, 5.0, 0.25 * 200 / 1000 * 5.0)  # D = 0.25 ms x 200 steps/s: 5% of each step
+    assert main_step(one, context(one))[0] == pytest.approx(0.25, rel=0.01)
+    bare = [{k: v for k, v in s.items() if k != "cpu_s"} for s in two]
+    assert main_step(bare, context(bare)) == (None, 0)
+    assert estimate(StepTiming(**STEP).to_raw(), two)["main_step_ms"] == pytest.approx(0.25, rel=0.01)

@@ -165,6 +165,25 @@ def test_the_check_says_how_much_of_their_cores_the_workers_steps_had():
     assert bare["v"]["cpu_share"] == {} and "own CPU" not in lines(bare)[0][0]
 
 
+def test_a_runs_main_process_time_is_read_only_where_it_had_no_core_of_its_own(monkeypatch):
+    """The run's steps lost time to other processes (cpu_s below their wall time): where a run of the variant
+    here leaves the main process no spare core, the check reads its time per worker step from them
+    (contention.main_step_ms, which --write-host writes); with a spare core it says nothing of it."""
+    from pdlab.serve import topology
+
+    vs = recipe_variants({"v": {}})  # one unified worker on cpu:0
+    t = TimingProfile(name="box", step=STEP)
+    steps = [dict(step_dict(StepCounts(0, 4, 400), 5.0), start=10 + i * 0.005, end=10.005 + i * 0.005,
+                  cpu_s=0.0045) for i in range(100)]
+    monkeypatch.setattr(topology, "cpu_cores", lambda: [0])
+    shared = check_run(vs, steps, [], profile=t)["v"]["contention"]
+    # 0.5 ms of each 5 ms step at 200 steps a second: a tenth of the core, 0.5 ms a step
+    assert shared["main_step_ms"] == pytest.approx(0.5, rel=0.01)
+    assert "main_step_ms 0.5 (0)" in lines(check_run(vs, steps, [], profile=t))[0][0]
+    monkeypatch.setattr(topology, "cpu_cores", lambda: [0, 1])
+    assert "main_step_ms" not in check_run(vs, steps, [], profile=t)["v"]["contention"]
+
+
 def test_the_box_pace_stands_beside_the_steps_and_in_their_warnings():
     """The workers timed the fixed computation x1.45 the profile's: the check line and each warning say so
     (a fact beside the steps' miss: a snapshot at the workers' start, not a correction); within PACE_DRIFT of

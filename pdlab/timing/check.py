@@ -92,12 +92,24 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
         out[name] = {"profile": p.name, "by": by, "modelled": v.model.modelled, **res, "host": host,
                      "cpu_share": cpu_shares(mine),
                      "profile_host": p.host.to_raw(),
-                     "contention": None if v.model.modelled else contention_raw(estimate(p.step.to_raw(), mine)),
+                     "contention": None if v.model.modelled else run_contention(p, v, mine),
                      "profile_contention": p.contention.to_raw(),
                      "kernels": worker_warning(name, p, (kernels or {}).get(name) or {}),
                      "pace": None if v.model.modelled else ratio(list(((paces or {}).get(name) or {}).values()),
                                                                   p.pace_ms)}
     return out
+
+
+def run_contention(profile: Any, v: Any, steps: list[dict]) -> dict:
+    """The run's own contention figures (pdlab.timing.contention) against `profile`; main_step_ms only where a
+    run of the variant here leaves the main process no core of its own (else its steps lost nothing to it, and
+    a 0 would say nothing of a box where it does)."""
+    from pdlab.serve.topology import main_shares_cores
+
+    raw = contention_raw(estimate(profile.step.to_raw(), steps))
+    if not main_shares_cores(v.deployment):
+        raw.pop("main_step_ms", None)
+    return raw
 
 
 def cpu_shares(steps: list[dict]) -> dict[str, float]:
@@ -132,7 +144,7 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         con = c.get("contention") or {}
         pc = c["profile_contention"]
         contention = ", ".join([f"{k} {con[k]:.3g} ({pc.get(k, 0):.3g})" for k in ("prefill_x", "decode_x", "cold_ms",
-                                                                                  "after_prefill_x")
+                                                                                  "after_prefill_x", "main_step_ms")
                                 if con.get(k) is not None] +
                                [f"{k} {tail(con[k])} ({tail(pc[k]) if pc.get(k) else 'none'})" for k in SPREADS
                                 if con.get(k)])

@@ -117,12 +117,13 @@ class _Spans:
 
 
 def estimate(coef: dict, steps: list[dict]) -> dict:
-    """{prefill_x, decode_x, cold_ms, after_prefill_x, after_prefill_decay, decode_spread, decode_spread_beside}
-    (None where not estimated) and {samples}: from `steps` (records with step counts) against the step model
-    `coef` (StepTiming.to_raw()). A decode step's factor beside stepping workers and its spread are read with
+    """{prefill_x, decode_x, cold_ms, after_prefill_x, after_prefill_decay, decode_spread, decode_spread_beside,
+    main_step_ms} (None where not estimated) and {samples}: from `steps` (records with step counts) against the
+    step model `coef` (StepTiming.to_raw()). A decode step's factor beside stepping workers and its spread are read with
     what its worker's last prefill left taken off, so that a simulation applying both counts it once."""
+    ctx = context(steps)
     rows = [_Row(s.get("prefill_tokens", 0) > 0, s.get("decode_seqs", 0), mp[0], mp[1], c)
-            for s, mp, c in zip(steps, _modelled(coef, steps), context(steps)) if mp is not None]
+            for s, mp, c in zip(steps, _modelled(coef, steps), ctx) if mp is not None]
     warm = [r.ratio for r in rows if not r.c.cold and r.c.others_busy <= ALONE]
     pace = statistics.median(warm) if len(warm) >= MIN_SAMPLES else 1.0  # a run on a slower box: not cold time
     cold = [r.m - r.p * pace for r in rows if r.c.cold and r.c.others_busy <= ALONE]
@@ -153,12 +154,42 @@ def estimate(coef: dict, steps: list[dict]) -> dict:
             x = max(1.0 + (statistics.median(q for q, _ in mine) / base - 1.0) / share, 1e-3)
         out[f"{kind}_x"] = x
         out["samples"][kind] = {"together": len(mine), "alone": len(alone)}
+    out["main_step_ms"], out["samples"]["main"] = main_step(steps, ctx)
     for key, keep in (("decode_spread", lambda c: c.others_busy <= ALONE),
                       ("decode_spread_beside", lambda c: c.others_busy >= TOGETHER)):
         rs = [(r.seqs, own(r) / max(r.p, 1e-9)) for r in rows if not r.prefill and not r.c.cold and keep(r.c)]
         out[key] = spread(rs) if len(rs) >= MIN_SPREAD else None
         out["samples"][key] = len(rs)
     return out
+
+
+def main_step(steps: list[dict], ctx: list[StepContext]) -> tuple[Optional[float], int]:
+    """(main_step_ms, steps read): the main process's CPU time per worker step as pdlab.sim.host_load takes it,
+    from what the steps lost to other processes (wall time less their own CPU time, `cpu_s`). In each (variant,
+    rate, repeat) it takes D = main_step_ms x the steps' rate from whichever worker it sits with while every
+    worker steps, so what they lose in all is D times the time they all step (each step's others-stepping share
+    times its time, summed over the workers' steps and divided by their number; with one worker, its steps'
+    time). None where no steps carry cpu_s (timed workers, GPUs, older runs)."""
+    groups: dict[tuple, list[int]] = defaultdict(list)
+    for i, s in enumerate(steps):
+        if s.get("cpu_s") is not None and not s.get("warmup"):
+            groups[_group(s)].append(i)
+    lost = together_steps = 0.0
+    read = 0
+    for idx in groups.values():
+        span = max(steps[i]["end"] for i in idx) - min(steps[i]["start"] for i in idx)
+        workers = {steps[i].get("worker") for i in idx}
+        if span <= 0 or len(idx) < MIN_SAMPLES:
+            continue
+        walls = {i: steps[i]["end"] - steps[i]["start"] for i in idx}
+        together = (sum(walls.values()) if len(workers) == 1 else
+                    sum(ctx[i].others_busy * walls[i] for i in idx) / len(workers))
+        lost += sum(max(walls[i] - steps[i]["cpu_s"], 0.0) for i in idx)
+        together_steps += len(idx) / span * together  # worker steps in the time they all stepped
+        read += len(idx)
+    if not read or together_steps <= 0:
+        return None, read
+    return 1000.0 * lost / together_steps, read
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,10 @@ the requests before it, so both workers step together, as a run's do, and each h
 own between two decode steps (the admit time of pulls of several lengths). Its steps, with the one-at-a-time
 ones (each worker alone), give the contention figures (pdlab.timing.contention), which need the step model:
 the probe returns its steps for `pdlab profile` to estimate them once the model is fitted. And the probe's own
-CPU time over the steps its workers took: the main process's time per worker step (contention.main_step_ms,
-pdlab.sim.host_load): its loop writes the records a run's harness writes (each step's line, each request's
-record with its metrics) to a scratch run directory, so that its time is a run's.
+CPU time over the steps its workers took: the main process's CPU time per worker step (its loop writes the
+records a run's harness writes, each step's line and each request's record with its metrics, to a scratch run
+directory, so that its time is a run's). `pdlab profile` takes contention.main_step_ms from what the workers'
+steps lost to it (pdlab.timing.contention.main_step), and this where they do not record their CPU time.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """The main process on the workers' cores (pdlab.sim.host_load): what it takes from a simulated worker's steps on
 a box where it has no core of its own. Its load is its time per step over the steps ended in the last
-WINDOW_S; it sits on the core of the last worker that waited for work, and takes from that worker's steps
-only while the others step too (else it runs on an idle core)."""
+WINDOW_S; it takes from the workers by how often each waited for work lately (the core the scheduler finds
+idle), and only while the others step too (else it runs on an idle core)."""
+
+import math
 
 import pytest
 
@@ -30,15 +32,18 @@ def loaded() -> HostLoad:
     return h
 
 
-def test_it_takes_from_the_worker_that_last_waited_for_work_while_the_others_step():
+def test_it_takes_from_the_workers_by_how_often_they_waited_for_work_lately():
     h = loaded()
     d = h.demand(0.2)
-    assert h.factor("decode", 0.2, 0.0, waited=True) == 1.0  # on the decode core, but the prefill core idles
-    assert h.factor("prefill", 0.2, 1.0, waited=True) == pytest.approx(1 + d)  # it moved to the prefill core
-    assert h.factor("decode", 0.2, 1.0, waited=False) == 1.0  # stepping back to back: not where it sits
-    assert h.factor("prefill", 0.2, 0.5, waited=False) == pytest.approx(1 + d * 0.5)  # stays; half the step beside
-    assert h.factor("decode", 0.2, 1.0, waited=True) == pytest.approx(1 + d)  # the decode worker waited: it moved
-    assert h.factor("prefill", 0.2, 1.0, waited=False) == 1.0
+    assert h.factor("prefill", 0.2, 1.0, waited=False) == pytest.approx(1 + d * 0.5)  # none waited yet: alike
+    assert h.factor("prefill", 0.2, 1.0, waited=True) == pytest.approx(1 + d * 2 / 3)  # its wait counts
+    assert h.factor("prefill", 0.2, 0.5, waited=False) == pytest.approx(1 + d * 2 / 3 * 0.5)  # half the step beside
+    assert h.factor("prefill", 0.2, 0.0, waited=False) == 1.0  # the decode core idles: it runs there
+    for _ in range(8):  # the prefill worker waits after each prompt; the decode worker keeps stepping
+        h.factor("prefill", 0.2, 1.0, waited=True)
+    assert h.share("decode", 0.2, waited=False) == pytest.approx(1 / 11)
+    # a second on, the waits count e^-1 as much: what counts is how often they waited lately
+    assert h.share("decode", 1.2, waited=True) == pytest.approx((math.exp(-1) + 1) / (11 * math.exp(-1) + 1))
     alone = HostLoad(0.5, ["a"])
     alone.begin()
     alone.stepped(0.1)
@@ -46,8 +51,8 @@ def test_it_takes_from_the_worker_that_last_waited_for_work_while_the_others_ste
     assert HostLoad(0.0, ["a", "b"]).factor("a", 0.2, 1.0, waited=True) == 1.0
 
 
-def test_a_new_rate_starts_with_no_load_and_on_no_core():
+def test_a_new_rate_starts_with_no_load_and_the_waits_alike():
     h = loaded()
     h.factor("decode", 0.2, 1.0, waited=True)
     h.begin()
-    assert h.demand(5.0) == 0.0 and h.on is None
+    assert h.demand(5.0) == 0.0 and h.share("decode", 5.0, waited=False) == 0.5

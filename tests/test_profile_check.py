@@ -184,6 +184,31 @@ def test_a_runs_main_process_time_is_read_only_where_it_had_no_core_of_its_own(m
     assert "main_step_ms" not in check_run(vs, steps, [], profile=t)["v"]["contention"]
 
 
+def test_where_the_main_process_shares_the_cores_the_co_running_factors_leave_its_share_out(monkeypatch):
+    """Two workers step together, computing what the model says, and their steps took a tenth longer: the time
+    the main process took. With no spare core that is main_step_ms's, so the factors beside stepping workers are
+    read from the steps' own CPU time (the simulator would count it twice otherwise): x1. With a spare core,
+    from their wall time: x1.1."""
+    from pdlab.serve import topology
+
+    vs = recipe_variants({"v": {"deployment": {"unified": {"replicas": 2, "devices": ["cpu:0", "cpu:1"]}}}})
+    t = TimingProfile(name="box", step=STEP)
+    ms = 1000 * t.step_s(0, 4, 400)
+    steps = []
+    for w, wall in (("unified0", 1.1 * ms), ("unified1", 1.1 * ms)):
+        for i in range(60):
+            steps.append(dict(step_dict(StepCounts(0, 4, 400), ms, worker=w), start=10 + i * wall / 1e3,
+                              end=10 + (i + 1) * wall / 1e3, cpu_s=ms / 1e3))
+    alone = [dict(step_dict(StepCounts(0, 4, 400), ms), start=15 + i * ms / 1e3, end=15 + (i + 1) * ms / 1e3,
+                  cpu_s=ms / 1e3) for i in range(30)]  # the same steps with the other idle: the factors' base
+    monkeypatch.setattr(topology, "cpu_cores", lambda: [0, 1])
+    shared = check_run(vs, steps + alone, [], profile=t)["v"]["contention"]
+    assert shared["decode_x"] == pytest.approx(1.0, abs=0.01) and shared["main_step_ms"] > 0
+    monkeypatch.setattr(topology, "cpu_cores", lambda: [0, 1, 2])
+    spare = check_run(vs, steps + alone, [], profile=t)["v"]["contention"]
+    assert spare["decode_x"] == pytest.approx(1.1, abs=0.01) and "main_step_ms" not in spare
+
+
 def test_the_box_pace_stands_beside_the_steps_and_in_their_warnings():
     """The workers timed the fixed computation x1.45 the profile's: the check line and each warning say so
     (a fact beside the steps' miss: a snapshot at the workers' start, not a correction); within PACE_DRIFT of

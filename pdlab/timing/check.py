@@ -103,12 +103,24 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
 def run_contention(profile: Any, v: Any, steps: list[dict]) -> dict:
     """The run's own contention figures (pdlab.timing.contention) against `profile`; main_step_ms only where a
     run of the variant here leaves the main process no core of its own (else its steps lost nothing to it, and
-    a 0 would say nothing of a box where it does)."""
+    a 0 would say nothing of a box where it does), and there prefill_x and decode_x from the steps' own CPU
+    time."""
     from pdlab.serve.topology import main_shares_cores
 
-    raw = contention_raw(estimate(profile.step.to_raw(), steps))
+    coef = profile.step.to_raw()
+    raw = contention_raw(estimate(coef, steps))
     if not main_shares_cores(v.deployment):
         raw.pop("main_step_ms", None)
+        return raw
+    # the steps' wall time holds what the main process took, which main_step_ms stands for: the co-running
+    # factors are read from their own CPU time, so that a simulation with both counts it once
+    own = contention_raw(estimate(coef, [dict(s, end=s["start"] + s["cpu_s"]) if s.get("cpu_s") is not None else s
+                                         for s in steps]))
+    for k in ("prefill_x", "decode_x"):
+        if k in own:
+            raw[k] = own[k]
+        else:
+            raw.pop(k, None)
     return raw
 
 

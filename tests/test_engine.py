@@ -275,13 +275,24 @@ def test_a_reservation_leaves_a_block_per_held_request():
 
 def test_a_cpu_step_records_its_own_cpu_time_and_a_timed_one_does_not():
     """cpu_s: the stepping thread's CPU time over the step, at most its wall time (what the core gave it, beside
-    what other processes took); a timed engine waits its model out, so it has none to report."""
-    eng = engine(block_size=16, kv_blocks=64)
-    eng.add("a", prompts([40], seed=1)[0], SamplingParams(max_tokens=4, ignore_eos=True))
-    recs = []
-    while eng.has_work():
-        recs.append(eng.step().record)
+    what other processes took), on one torch thread as a worker on one core runs; with more threads one thread's
+    time is not the step's, and a timed engine waits its model out: neither reports it."""
+    def records(threads):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            eng = engine(block_size=16, kv_blocks=64)
+            eng.add("a", prompts([40], seed=1)[0], SamplingParams(max_tokens=4, ignore_eos=True))
+            recs = []
+            while eng.has_work():
+                recs.append(eng.step().record)
+            return recs
+        finally:
+            torch.set_num_threads(before)
+
+    recs = records(1)
     assert recs and all(r.cpu_s is not None and 0 < r.cpu_s <= (r.end - r.start) + 1e-3 for r in recs)
+    assert all(r.cpu_s is None for r in records(2))
     timed = Engine(load_stand_in("tiny-llama"), EngineConfig(block_size=16, kv_blocks=64),
                    step_timing=TimingProfile(step=StepTiming(fixed_ms=0.1)))
     timed.add("a", prompts([40], seed=1)[0], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -301,7 +301,7 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     assert set(t.kernels) == {*CPU_KERNELS, PACKED_LINEAR} and all("use" in c and "why" in c for c in t.kernels.values())
     assert t.host.gap_ms > 0 and t.host.hop_ms > 0 and t.host.handoff_ms > 0  # from a real 1P1D deployment
     assert t.contention.after_prefill_x > 0 and 0 <= t.contention.after_prefill_decay <= 1  # measured beside
-    assert t.contention.main_step_ms > 0  # the probe's own CPU time per step, recording as a run's harness does
+    assert t.contention.main_step_ms > 0  # the probe's main process's time per worker step
     f = t.fit
     assert f["train_steps"] > 0 and f["test_steps"] > 0
     assert f["train_steps"] + f["test_steps"] == sum(f["steps_by_kind"].values()) >= 24

@@ -43,8 +43,9 @@ class StepRecord:
     fresh_pairs: int = 0
     resumed_pairs: int = 0
     resumed_context: int = 0
-    # the stepping thread's CPU time over the step (CPU workers that compute; else None): a step whose wall time
-    # is well above it spent the rest waiting for its core, taken by another process (the router, a client)
+    # the stepping thread's CPU time over the step (CPU workers that compute on one thread; else None): a step
+    # whose wall time is well above it spent the rest waiting for its core, taken by another process (the
+    # router, a client) or by its worker's other threads (a pull's copy)
     cpu_s: Optional[float] = None
 
 
@@ -103,8 +104,10 @@ class Engine:
         self.dims = dims
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
-        # a CPU step's thread time is its compute; with a modelled step or on a GPU it is not (it waits)
-        self._cpu_timed = self.device.type == "cpu" and step_timing is None and clock is None
+        # a CPU step's thread time is its compute with one torch thread; with more (a worker on several cores) it
+        # is one thread's, and with a modelled step or on a GPU it is not compute (it waits)
+        self._cpu_timed = (self.device.type == "cpu" and step_timing is None and clock is None
+                           and torch.get_num_threads() == 1)
         if self.device.type == "cpu" and step_timing is None:
             tune_malloc()  # activations stay on the heap between steps (pdlab.engine.host_malloc)
         self.max_model_len = config.max_model_len or dims["max_model_len"]

@@ -149,8 +149,9 @@ class ContentionTiming(Section):
     predicted time divided by their median. A request's p99 ITL is its slowest steps: without the spread a
     simulated decode worker steps like a metronome and its ITL tail is the model's mean.
 
-    `main_step_ms`: the main process's (router and harness) CPU time per worker step. Where a deployment leaves
-    it no core of its own it takes that time from the workers' cores (pdlab.sim.host_load)."""
+    `main_step_ms`: the main process's (router and harness) time per worker step, as the workers lose it where it
+    shares their cores (pdlab.timing.contention.main_step; its own CPU time per step is about half of it).
+    Where a deployment leaves it no core of its own the simulator takes it from them (pdlab.sim.host_load)."""
 
     prefill_x: float = spec(1.0, "a number > 0 (a step with prefill tokens, all other workers stepping: x its "
                                  "model)", _factor)
@@ -163,8 +164,9 @@ class ContentionTiming(Section):
                                            "decode step keeps)", to_float(0.0, 1.0, lo_open=False))
     decode_spread: tuple[float, ...] = spec((), _SPREAD + ", alone", _spread)
     decode_spread_beside: tuple[float, ...] = spec((), _SPREAD + ", all other workers stepping", _spread)
-    main_step_ms: float = spec(0.0, f"{MS} (the main process's CPU time per worker step: router and harness; on a box "
-                                    "where they share the workers' cores the simulator takes it from them)", _ms)
+    main_step_ms: float = spec(0.0, f"{MS} (the main process's time per worker step, router and harness, as the "
+                                    "workers lose it where they share its cores: the simulator takes it from them)",
+                               _ms)
 
     def to_raw(self) -> dict:
         raw = super().to_raw()

@@ -190,6 +190,7 @@ class Simulator:
             t = max(w.free_at, w.clock.t)
             w.clock.advance_to(t)
             w.free_at = t
+            w.waited = True  # idle until the rate's first request
         t0 = max(w.free_at for w in self.workers.values()) + 1.0
         if self.host is not None:
             self.host.begin()
@@ -292,7 +293,8 @@ class Simulator:
     def _wake(self, w: _Worker, now: float) -> None:
         """A request reaches `w`'s socket at `now`. Idle, the worker wakes, reads it and steps hop_ms later, and
         what reaches it meanwhile joins that step (at rate inf a run's worker takes most of a burst in its first
-        step); stepping, it takes the request at its next step."""
+        step); stepping, it reads it between steps and its next step takes it, with no hop (one routed just
+        before a step ends joins the next)."""
         if not w.engine.has_work() and w.free_at <= now:
             w.free_at = now + self.hop_s
 

@@ -102,11 +102,12 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                                         "contention); cold_ms and the decode spreads kept, prefill_x and decode_x "
                                         "from a run's steps (pdlab profile --check RUN --profile FILE "
                                         "--write-host)"}
-        # the main process's time per worker step: what the probe's workers lost to it, read as host_load takes
-        # it (contention.main_step: only while every worker steps, so it holds what they lose at other times
-        # too), where they record their CPU time; else its own CPU time per step, about half of that (0.25
-        # against 0.48-0.52 ms on the 2-core Xeon)
-        main = (fit.get("contention") or {}).get("probed", {}).get("main_step_ms", host.get("main_step_ms"))
+        # the main process's time per worker step: what the probe's workers lost while they stepped together,
+        # read as host_load takes it (contention.main_step), where they record their CPU time and it had no core
+        # of its own; else its own CPU time per step, less than that (0.25 against 0.38-0.42 ms on the 2-core
+        # Xeon: the workers lose more than its CPU time)
+        lost = (fit.get("contention") or {}).get("probed", {}).get("main_step_ms")
+        main = lost if lost is not None and host.get("main_shared") else host.get("main_step_ms")
         if main is not None:
             contention = {**(contention or {}), "main_step_ms": round(main, 4)}
         cpu = host.get("main_step_ms")

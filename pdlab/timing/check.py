@@ -114,8 +114,7 @@ def run_contention(profile: Any, v: Any, steps: list[dict]) -> dict:
         return raw
     # the steps' wall time holds what the main process took, which main_step_ms stands for: the co-running
     # factors are read from their own CPU time, so that a simulation with both counts it once
-    own = contention_raw(estimate(coef, [dict(s, end=s["start"] + s["cpu_s"]) if s.get("cpu_s") is not None else s
-                                         for s in steps]))
+    own = contention_raw(estimate(coef, steps, own_cpu=True))
     for k in ("prefill_x", "decode_x"):
         if k in own:
             raw[k] = own[k]
@@ -125,8 +124,9 @@ def run_contention(profile: Any, v: Any, steps: list[dict]) -> dict:
 
 
 def cpu_shares(steps: list[dict]) -> dict[str, float]:
-    """worker -> its steps' own CPU time over their wall time (`cpu_s`: CPU workers that compute). Below 1, other
-    processes took the rest of its core while it stepped: on a box with no spare core, the router and harness."""
+    """worker -> its steps' own CPU time over their wall time (`cpu_s`: CPU workers that compute). Below 1, the
+    rest of its core went elsewhere while it stepped: to other processes (on a box with no spare core, the
+    router and harness) or to its own other threads (a pull's copy)."""
     by: dict[str, list[float]] = {}
     for s in steps:
         if s.get("cpu_s") is not None and s["end"] > s["start"]:

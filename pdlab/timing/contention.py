@@ -116,13 +116,16 @@ class _Spans:
         return total
 
 
-def estimate(coef: dict, steps: list[dict]) -> dict:
+def estimate(coef: dict, steps: list[dict], own_cpu: bool = False) -> dict:
     """{prefill_x, decode_x, cold_ms, after_prefill_x, after_prefill_decay, decode_spread, decode_spread_beside,
     main_step_ms} (None where not estimated) and {samples}: from `steps` (records with step counts) against the
     step model `coef` (StepTiming.to_raw()). A decode step's factor beside stepping workers and its spread are read with
-    what its worker's last prefill left taken off, so that a simulation applying both counts it once."""
+    what its worker's last prefill left taken off, so that a simulation applying both counts it once.
+    `own_cpu`: each step measured by its own CPU time (`cpu_s`, where it has it) rather than its wall time, its
+    context still from the wall times (what the main process took is then main_step_ms's alone)."""
     ctx = context(steps)
-    rows = [_Row(s.get("prefill_tokens", 0) > 0, s.get("decode_seqs", 0), mp[0], mp[1], c)
+    rows = [_Row(s.get("prefill_tokens", 0) > 0, s.get("decode_seqs", 0),
+                 s["cpu_s"] * 1e3 if own_cpu and s.get("cpu_s") is not None else mp[0], mp[1], c)
             for s, mp, c in zip(steps, _modelled(coef, steps), ctx) if mp is not None]
     warm = [r.ratio for r in rows if not r.c.cold and r.c.others_busy <= ALONE]
     pace = statistics.median(warm) if len(warm) >= MIN_SAMPLES else 1.0  # a run on a slower box: not cold time
@@ -165,11 +168,11 @@ def estimate(coef: dict, steps: list[dict]) -> dict:
 
 def main_step(steps: list[dict], ctx: list[StepContext]) -> tuple[Optional[float], int]:
     """(main_step_ms, steps read): the main process's CPU time per worker step as pdlab.sim.host_load takes it,
-    from what the steps lost to other processes (wall time less their own CPU time, `cpu_s`). In each (variant,
-    rate, repeat) it takes D = main_step_ms x the steps' rate from whichever worker it sits with while every
-    worker steps, so what they lose in all is D times the time they all step (each step's others-stepping share
-    times its time, summed over the workers' steps and divided by their number; with one worker, its steps'
-    time). None where no steps carry cpu_s (timed workers, GPUs, older runs)."""
+    from what the steps lost to other processes (wall time less their own CPU time, `cpu_s`) while the other
+    workers stepped. In each (variant, rate, repeat) it takes D = main_step_ms x the steps' rate from the workers
+    while every worker steps, so what they lose then is D times the time they all step (each step's
+    others-stepping share times its time, summed over the workers' steps and divided by their number; with one
+    worker, its steps' time). None where no steps carry cpu_s (timed workers, GPUs, older runs)."""
     groups: dict[tuple, list[int]] = defaultdict(list)
     for i, s in enumerate(steps):
         if s.get("cpu_s") is not None and not s.get("warmup"):
@@ -184,7 +187,10 @@ def main_step(steps: list[dict], ctx: list[StepContext]) -> tuple[Optional[float
         walls = {i: steps[i]["end"] - steps[i]["start"] for i in idx}
         together = (sum(walls.values()) if len(workers) == 1 else
                     sum(ctx[i].others_busy * walls[i] for i in idx) / len(workers))
-        lost += sum(max(walls[i] - steps[i]["cpu_s"], 0.0) for i in idx)
+        # what a step lost while the others stepped: the rest went to its own threads (a pull's copy), or to a
+        # process the scheduler could have put on an idle core
+        lost += sum(max(walls[i] - steps[i]["cpu_s"], 0.0) * (1.0 if len(workers) == 1 else ctx[i].others_busy)
+                    for i in idx)
         together_steps += len(idx) / span * together  # worker steps in the time they all stepped
         read += len(idx)
     if not read or together_steps <= 0:

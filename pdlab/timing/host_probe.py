@@ -15,7 +15,8 @@ the probe returns its steps for `pdlab profile` to estimate them once the model 
 CPU time over the steps its workers took: the main process's CPU time per worker step (its loop writes the
 records a run's harness writes, each step's line and each request's record with its metrics, to a scratch run
 directory, so that its time is a run's). `pdlab profile` takes contention.main_step_ms from what the workers'
-steps lost to it (pdlab.timing.contention.main_step), and this where they do not record their CPU time.
+steps lost to it (pdlab.timing.contention.main_step) where it shared their cores (`main_shared`), and this
+where it did not or they do not record their CPU time.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
     from pdlab.engine.model import model_config
     from pdlab.recipe.deployment import Deployment
     from pdlab.serve.cluster import Cluster, RequestDone, StepEvent, TokenEvent
+    from pdlab.serve.topology import cpu_cores
     from pdlab.timing.host import host_times
 
     spec = _model_spec(model, dtype)
@@ -143,4 +145,5 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         serve([f"c{i}" for i in range(CO_REQUESTS)], CO_OUTPUT, stagger=True)
         main_s = time.process_time() - cpu0
     return {**host_times(steps, requests), "requests": len(requests), "steps": steps,
-            "main_step_ms": 1000.0 * main_s / len(steps) if steps else None}
+            "main_step_ms": 1000.0 * main_s / len(steps) if steps else None,
+            "main_shared": not set(cpu_cores()) - set(cores)}  # the probe's main process had no core of its own

@@ -23,6 +23,7 @@ from pdlab.timing.fit import (KINDS, TERMS, StepSample, by_kind, errors, fit_ste
                               split_by_case)
 from pdlab.timing import after_prefill
 from pdlab.timing.contention import AFTER_STEPS
+from pdlab.timing.host_probe import BURST
 from pdlab.timing.measure import DECODE_LEAD, PRIMER_BLOCKS, Case, Limits, PoolSlices, Primer, design, run_case
 from pdlab.timing.process import MeasureError, job_for, measure
 from pdlab.timing.write import profile_raw, write_profile
@@ -302,6 +303,7 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     assert t.host.gap_ms > 0 and t.host.hop_ms > 0 and t.host.handoff_ms > 0  # from a real 1P1D deployment
     assert t.contention.after_prefill_x > 0 and 0 <= t.contention.after_prefill_decay <= 1  # measured beside
     assert t.contention.main_step_ms > 0  # the probe's main process's time per worker step
+    assert t.host.send_ms > 0 and t.fit["host"]["samples"]["sends"] >= BURST  # bursts: the quickest one's
     f = t.fit
     assert f["train_steps"] > 0 and f["test_steps"] > 0
     assert f["train_steps"] + f["test_steps"] == sum(f["steps_by_kind"].values()) >= 24

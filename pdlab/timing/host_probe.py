@@ -4,8 +4,12 @@ reads its host time from the steps and phases it reports, as `pdlab profile --ch
 
 Requests one at a time find both workers idle, so their arrival and hand-over hops are clean samples, and
 each request's decode steps run back to back, so the gaps between them are too. Then a burst of BURST
-requests submitted together, as a run's harness submits requests that are due (all of them at rate inf): the
-router takes them one at a time, and their arrivals there, apart, give the send time. The burst's batched
+requests submitted together, as a run's harness submits requests that are due (all of them at rate inf), BURSTS
+times: the router takes them one at a time, and their arrivals there, apart, give the send time. It is the
+quickest burst's median: when a burst's first request wakes a worker on the router's core, the router shares
+that core for the rest of the burst and every send takes 3-5 times as long (0.1-0.16 ms against 0.02-0.04 on
+the 2-core Xeon; a run's router in the same race stalls once for 2-5 ms instead), and the simulator's router
+runs at its own pace. The burst's batched
 steps add to the gap samples too. Last, CO_REQUESTS requests with longer outputs, each submitted once the
 decode worker has taken STAGGER_STEPS steps with the one before: each prefill runs beside the decoding of
 the requests before it, so both workers step together, as a run's do, and each hand-over is admitted on its
@@ -29,6 +33,7 @@ import numpy as np
 
 REQUESTS = 8
 BURST = 8  # requests submitted together after them
+BURSTS = 3  # of them: the send time is the quickest burst's (its router at its own pace)
 PROMPTS = (64, 1024)  # prompt lengths drawn uniformly from this range (within the model's context): pulls of
 #                       several lengths, whose admit time grows with them (pdlab.timing.host admit_ktok)
 OUTPUT = 64  # tokens each: the first steps of a new decode batch run slower (measure.DECODE_LEAD); 16 left mostly those
@@ -46,6 +51,10 @@ def _model_spec(model: str, dtype: str) -> Any:
     return ModelSpec.from_raw({("preset" if model in PRESETS else "path"): model, "dtype": dtype}, "model")
 
 
+def _median_ms(xs: list[float]) -> Optional[float]:
+    return 1000.0 * float(np.median(xs)) if xs else None
+
+
 def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
                say: Optional[Callable[[str], None]] = None) -> dict:
     """Host time of the profiled model's workers on `cores` (prefill on the first, decode on the last; one
@@ -59,7 +68,7 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
     from pdlab.recipe.deployment import Deployment
     from pdlab.serve.cluster import Cluster, RequestDone, StepEvent, TokenEvent
     from pdlab.serve.topology import cpu_cores
-    from pdlab.timing.host import host_times
+    from pdlab.timing.host import host_times, sends
 
     spec = _model_spec(model, dtype)
     dep = Deployment.from_raw({"prefill": {"devices": [f"cpu:{cores[0]}"]},
@@ -76,7 +85,7 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         cluster.start()
         if say:
             say(f"host time: a 1P1D pull deployment on cpu:{cores[0]} and cpu:{cores[-1]}, {REQUESTS} requests "
-                f"one at a time, then {BURST} together, then {CO_REQUESTS} staggered")
+                f"one at a time, then {BURSTS} bursts of {BURST}, then {CO_REQUESTS} staggered")
         cfg = model_config(spec)
         vocab = cfg.vocab_size
         context = int(getattr(cfg, "max_position_embeddings", 0) or PROMPTS[1] * 2)
@@ -141,9 +150,13 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         cpu0 = time.process_time()
         for i in range(REQUESTS):
             serve([f"h{i}"])
-        serve([f"b{i}" for i in range(BURST)])
+        for k in range(BURSTS):
+            serve([f"b{k}.{i}" for i in range(BURST)])
         serve([f"c{i}" for i in range(CO_REQUESTS)], CO_OUTPUT, stagger=True)
         main_s = time.process_time() - cpu0
-    return {**host_times(steps, requests), "requests": len(requests), "steps": steps,
+    est = host_times(steps, requests)
+    quickest = min((x for x in (_median_ms(sends([r for r in requests if r["id"].startswith(f"b{k}.")]))
+                                for k in range(BURSTS)) if x is not None), default=None)
+    return {**est, "send_ms": quickest, "requests": len(requests), "steps": steps,
             "main_step_ms": 1000.0 * main_s / len(steps) if steps else None,
             "main_shared": not set(cpu_cores()) - set(cores)}  # the probe's main process had no core of its own

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from pdlab.constants import STALL_TIMEOUT_S
-from pdlab.devices import parse_devices
 from pdlab.external import check_variant
 from pdlab.fields import RecipeError
 from pdlab.measure.metrics import build_request_record
@@ -33,7 +32,6 @@ from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.recipe.recipe import relative_rate
 from pdlab.serve import topology
 from pdlab.serve.launch import start_mode
-from pdlab.serve.sharing import host_cores
 from pdlab.workload import Workload, WorkloadRequest, build_requests, trace_facts
 
 LEAD_S = 0.05  # the first arrival is this far after the rate starts, so nothing is late by construction
@@ -109,17 +107,7 @@ def calibration_deployment(v: Variant) -> tuple[Deployment, str]:
 def worker_cores(recipe: Recipe) -> set[int]:
     """The CPU cores any worker of the recipe is pinned to (a GPU worker: its host cores, as the launcher
     will give them, pdlab.serve.sharing)."""
-    cores: set[int] = set()
-    for v in recipe.variants.values():
-        workers = v.deployment.workers
-        if v.deployment.endpoint is not None:
-            continue
-        if v.deployment.device_kind == "cuda":
-            cores.update(c for mine in host_cores(topology.cpu_cores(), len(workers)) for c in mine)
-        else:  # this machine's: a worker on another node pins that node's cores
-            cores.update(d.index for w in workers if w.node is None for d in parse_devices(list(w.devices))
-                         if d.kind == "cpu")
-    return cores
+    return {c for v in recipe.variants.values() for c in topology.deployment_cores(v.deployment)}
 
 
 class Harness:

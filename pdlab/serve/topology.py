@@ -49,16 +49,23 @@ def cpu_cores() -> list[int]:
     return list(_CORES)
 
 
+def deployment_cores(dep: Deployment) -> set[int]:
+    """The cores of this machine a deployment's workers are pinned to (a GPU worker: its host cores, as the
+    launcher will give them, pdlab.serve.sharing; a worker on another node pins that node's; an endpoint none)."""
+    if dep.endpoint is not None:
+        return set()
+    if dep.device_kind == "cuda":
+        return {c for mine in host_cores(cpu_cores(), len(dep.workers)) for c in mine}
+    return {d.index for w in dep.workers if w.node is None for d in parse_devices(list(w.devices)) if d.kind == "cpu"}
+
+
 def main_shares_cores(dep: Deployment) -> bool:
     """Whether a run of deployment `dep` here leaves its main process (router, harness) no core of its own: every
     worker on this machine's CPU cores, and none of the cores this process may use spare (`pdlab run` moves it
     off the workers' cores when one is)."""
-    cores: set[int] = set()
-    for w in dep.workers:
-        devices = parse_devices(list(w.devices))
-        if w.node is not None or any(d.kind != "cpu" for d in devices):
-            return False
-        cores.update(d.index for d in devices)
+    if dep.device_kind != "cpu" or any(w.node is not None for w in dep.workers):
+        return False
+    cores = deployment_cores(dep)
     return bool(cores) and not set(cpu_cores()) - cores
 
 

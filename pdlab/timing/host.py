@@ -59,7 +59,8 @@ def _key(r: dict, worker: Optional[str]) -> tuple:
     return r.get("variant"), r.get("rate"), r.get("repeat", 0), worker
 
 
-def _median(xs: list[float]) -> Optional[float]:
+def median_ms(xs: list[float]) -> Optional[float]:
+    """The median of seconds `xs` in ms; None with fewer than MIN_SAMPLES (the figure is not estimated)."""
     return 1000.0 * statistics.median(xs) if len(xs) >= MIN_SAMPLES else None
 
 
@@ -112,7 +113,8 @@ def host_times(steps: list[dict], requests: list[dict]) -> dict:
             handoffs.append(b - a)
     g, sn, ad = gaps(steps), sends(requests), admits(steps, requests)
     admit_ms, ktok_ms = admit_fit(ad)
-    return {"gap_ms": _median(g), "hop_ms": _median(hops), "handoff_ms": _median(handoffs), "send_ms": _median(sn),
+    return {"gap_ms": median_ms(g), "hop_ms": median_ms(hops), "handoff_ms": median_ms(handoffs),
+            "send_ms": median_ms(sn),
             "admit_ms": admit_ms, "admit_ktok_ms": ktok_ms,
             "samples": {"gaps": len(g), "hops": len(hops), "handoffs": len(handoffs), "sends": len(sn),
                         "admits": len(ad)}}
@@ -155,10 +157,10 @@ def admit_fit(rows: list[tuple[float, float, bool]]) -> tuple[Optional[float], O
         return None, None
     pulls = [(x, y * 1000.0) for y, x, pulled in rows if pulled]
     if len(pulls) < MIN_SAMPLES:  # pushes: nothing said of a pull's copy
-        return _median([y for y, _, _ in rows]), None
+        return median_ms([y for y, _, _ in rows]), None
     xs = [x for x, _ in pulls]
     if max(xs) - min(xs) < MIN_SPAN_KTOK:  # pulls all alike: the median holds their copy
-        return _median([y for y, _, _ in rows]), 0.0
+        return median_ms([y for y, _, _ in rows]), 0.0
     slopes = [(yb - ya) / (xb - xa) for i, (xa, ya) in enumerate(pulls) for xb, yb in pulls[i + 1:]
               if abs(xb - xa) >= MIN_SPAN_KTOK / 4]
     slope = max(statistics.median(slopes), 0.0) if slopes else 0.0

@@ -51,10 +51,6 @@ def _model_spec(model: str, dtype: str) -> Any:
     return ModelSpec.from_raw({("preset" if model in PRESETS else "path"): model, "dtype": dtype}, "model")
 
 
-def _median_ms(xs: list[float]) -> Optional[float]:
-    return 1000.0 * float(np.median(xs)) if xs else None
-
-
 def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
                say: Optional[Callable[[str], None]] = None) -> dict:
     """Host time of the profiled model's workers on `cores` (prefill on the first, decode on the last; one
@@ -67,8 +63,8 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
     from pdlab.engine.model import model_config
     from pdlab.recipe.deployment import Deployment
     from pdlab.serve.cluster import Cluster, RequestDone, StepEvent, TokenEvent
-    from pdlab.serve.topology import cpu_cores
-    from pdlab.timing.host import host_times, sends
+    from pdlab.serve.topology import main_shares_cores
+    from pdlab.timing.host import host_times, median_ms, sends
 
     spec = _model_spec(model, dtype)
     dep = Deployment.from_raw({"prefill": {"devices": [f"cpu:{cores[0]}"]},
@@ -155,8 +151,8 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         serve([f"c{i}" for i in range(CO_REQUESTS)], CO_OUTPUT, stagger=True)
         main_s = time.process_time() - cpu0
     est = host_times(steps, requests)
-    quickest = min((x for x in (_median_ms(sends([r for r in requests if r["id"].startswith(f"b{k}.")]))
+    quickest = min((x for x in (median_ms(sends([r for r in requests if r["id"].startswith(f"b{k}.")]))
                                 for k in range(BURSTS)) if x is not None), default=None)
     return {**est, "send_ms": quickest, "requests": len(requests), "steps": steps,
             "main_step_ms": 1000.0 * main_s / len(steps) if steps else None,
-            "main_shared": not set(cpu_cores()) - set(cores)}  # the probe's main process had no core of its own
+            "main_shared": main_shares_cores(dep)}  # the probe's main process had no core of its own

@@ -92,7 +92,6 @@ class _Worker:
     free_at: float = 0.0
     step_end: Optional[float] = None  # when its last step ended (None: none yet)
     holds: set = field(default_factory=set)
-    waited: bool = True  # it had nothing left to step after its last step: its core idled until this one
 
 
 @dataclass
@@ -190,7 +189,6 @@ class Simulator:
             t = max(w.free_at, w.clock.t)
             w.clock.advance_to(t)
             w.free_at = t
-            w.waited = True  # idle until the rate's first request
         t0 = max(w.free_at for w in self.workers.values()) + 1.0
         if self.host is not None:
             self.host.begin()
@@ -353,13 +351,12 @@ class Simulator:
         # millisecond); one without, until its step in progress ends
         w.timing.step_start = start
         w.timing.others = [(o.engine.has_work(), o.step_end) for o in self.workers.values() if o is not w]
-        w.timing.waited = w.waited
         w.timing.cold = w.step_end is None or start - w.step_end >= COLD_AFTER_MS / 1e3
         out = w.engine.step()
         if out.record is None and not out.tokens:
             return False
         end = w.step_end = w.clock.t
-        w.waited = not w.engine.has_work()
+        w.timing.waited = not w.engine.has_work()  # nothing left to step: its core idles until its next step
         if self.host is not None:
             self.host.stepped(end)
         # the worker's own time before its next step

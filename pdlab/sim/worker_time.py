@@ -11,9 +11,9 @@ one is given, on a host it shares with the deployment's other workers.
 - host: on a box where the main process shares the workers' cores, the time it takes from this worker's
   (pdlab.sim.host_load; the simulator sets `host`).
 
-Before each of its steps the simulator sets `step_start`, `cold`, `waited` (it had waited for work) and
-`others` (for each other worker: whether it has work, so steps through this step back to back, and when its
-step in progress ends; None: none).
+Before each of its steps the simulator sets `step_start`, `cold` and `others` (for each other worker: whether
+it has work, so steps through this step back to back, and when its step in progress ends; None: none), and
+after each `waited` (it has nothing left to step: its core idles until its next).
 `begin(rate, repeat)` before each run: the pace's factor for that rate and repeat, and the draws seeded by
 worker, rate and repeat, so a simulation repeats exactly (steps and gaps from streams of their own).
 
@@ -40,7 +40,7 @@ class WorkerTime:
         self.spreads = bool(self.contention.decode_spread or self.contention.decode_spread_beside)
         self.step_rng, self.gap_rng = random.Random(0), random.Random(0)
         self.step_start, self.cold, self.others = 0.0, False, []
-        self.waited = True  # it waited for work before this step (its core idled)
+        self.waited = True  # it waited for work before its next step (its core idled)
         self.since_prefill: Optional[int] = None  # decode-only steps since its last with prefill tokens
         self.host: Optional[HostLoad] = None
 
@@ -51,6 +51,7 @@ class WorkerTime:
         tag = rate_tag(rate)
         if self.pace is not None:
             self.factor = next((f for t, r, f in self.pace.by_run if t == tag and r == repeat), self.pace.factor)
+        self.waited = True  # idle until the rate's first request
         key = f"{self.worker}/{tag}/{repeat}"
         self.gap_rng.seed(zlib.crc32(key.encode()))  # stable across processes
         self.step_rng.seed(zlib.crc32(f"{key}/steps".encode()))

@@ -85,6 +85,7 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                      for k, t in transfers.items()},
     }
     contention = None
+    probed: dict = {}
     if host is not None:
         fit["host"] = {"requests": host.get("requests"), "samples": host.get("samples"),
                        "how": "a 1P1D pull deployment of the model serving requests one at a time, in a burst and "
@@ -92,9 +93,9 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
         if host.get("steps"):
             est = estimate(coef, host["steps"])
             probed = contention_raw(est)
-            # the probe's prompts are short (host_probe.PROMPTS): its steps beside a neighbour are not the run's
-            # mix, and their factor did not carry to longer prompts (x1.24 probed, x1.02-1.05 in runs of long and
-            # chunked prompts; BENCHMARKS.md, 2026-12-03); its cold steps did (2.0 ms probed, 0.5-2.4 in runs),
+            # the probe's steps beside a neighbour are not a run's mix, and their factor did not carry to runs
+            # (x1.24 probed with 64-256-token prompts, x1.02-1.05 in runs of long and chunked prompts;
+            # BENCHMARKS.md, 2026-12-03); its cold steps did (2.0 ms probed, 0.5-2.4 in runs),
             # and so does the spread of decode steps (each over its own median, it leaves the factor out)
             contention = {k: v for k, v in probed.items() if k in ("cold_ms",) + SPREADS} or None
             fit["contention"] = {"samples": est["samples"], "probed": probed,
@@ -106,7 +107,7 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
         # read as host_load takes it (contention.main_step), where they record their CPU time and it had no core
         # of its own; else its own CPU time per step, less than that (0.25 against 0.38-0.42 ms on the 2-core
         # Xeon: the workers lose more than its CPU time)
-        lost = (fit.get("contention") or {}).get("probed", {}).get("main_step_ms")
+        lost = probed.get("main_step_ms")
         main = lost if lost is not None and host.get("main_shared") else host.get("main_step_ms")
         if main is not None:
             contention = {**(contention or {}), "main_step_ms": round(main, 4)}

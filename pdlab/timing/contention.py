@@ -119,8 +119,8 @@ class _Spans:
 def estimate(coef: dict, steps: list[dict], own_cpu: bool = False) -> dict:
     """{prefill_x, decode_x, cold_ms, after_prefill_x, after_prefill_decay, decode_spread, decode_spread_beside,
     main_step_ms} (None where not estimated) and {samples}: from `steps` (records with step counts) against the
-    step model `coef` (StepTiming.to_raw()). A decode step's factor beside stepping workers and its spread are read with
-    what its worker's last prefill left taken off, so that a simulation applying both counts it once.
+    step model `coef` (StepTiming.to_raw()). A decode step's factor beside stepping workers and its spread are
+    read with what its worker's last prefill left taken off, so that a simulation applying both counts it once.
     `own_cpu`: each step measured by its own CPU time (`cpu_s`, where it has it) rather than its wall time, its
     context still from the wall times (what the main process took is then main_step_ms's alone)."""
     ctx = context(steps)
@@ -167,7 +167,7 @@ def estimate(coef: dict, steps: list[dict], own_cpu: bool = False) -> dict:
 
 
 def main_step(steps: list[dict], ctx: list[StepContext]) -> tuple[Optional[float], int]:
-    """(main_step_ms, steps read): the main process's CPU time per worker step as pdlab.sim.host_load takes it,
+    """(main_step_ms, steps read): the main process's time per worker step as pdlab.sim.host_load takes it,
     from what the steps lost to other processes (wall time less their own CPU time, `cpu_s`) while the other
     workers stepped. In each (variant, rate, repeat) it takes D = main_step_ms x the steps' rate from the workers
     while every worker steps, so what they lose then is D times the time they all step (each step's

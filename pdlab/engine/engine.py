@@ -270,8 +270,8 @@ class Engine:
                       sample(logits, [s.params for s in sampling], [s.generator for s in sampling]))
             for s, tok in zip(sampling, tokens):
                 outs.append(self._append(s, tok))
+        cpu_s = time.thread_time() - cpu0 if cpu0 is not None else None  # read within [start, end]: at most its wall
         end = self.now()
-        cpu_s = time.thread_time() - cpu0 if cpu0 is not None else None
         return StepOutput(self._record(start, end, counts, len(batch.preempted), forward_s, cpu_s), outs)
 
     def _record(self, start: float, end: float, c: StepCounts, preempted: int, forward_s: float,

@@ -111,7 +111,7 @@ def figures(run_dir: str) -> dict:
     return replay_figures(r.requests, r.summary)
 
 
-def render(name: str, cmp: dict, check: str, paced: dict | None) -> None:
+def render(name: str, cmp: dict, check: str, paced: dict | None, again: dict | None = None) -> None:
     print(f"\n{name}: real / simulated and the error (! beyond the target)")
     for line in table(cmp):
         print(f"  {line}")
@@ -122,6 +122,10 @@ def render(name: str, cmp: dict, check: str, paced: dict | None) -> None:
                          for v, ws in paced["paces"].items())
         print(f"  replayed at the run's own pace ({pace}; pdlab profile --check --replay):")
         for line in table(paced["comparison"]):
+            print(f"    {line}")
+    if again:
+        print("  the real run against itself run again (pdlab run, the same recipe, right after):")
+        for line in table(again):
             print(f"    {line}")
 
 
@@ -161,6 +165,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=16, help="requests per rate (default 16)")
     ap.add_argument("--repeats", type=int, default=1, help="repeats of each rate (default 1)")
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"which of {', '.join(RECIPES)}")
+    ap.add_argument("--again", action="store_true",
+                    help="run each real recipe twice and hold the two real runs to the targets against each other")
     args = ap.parse_args()
     names = [n for n in args.recipes.split(",") if n]
     if any(n not in RECIPES for n in names):
@@ -190,20 +196,30 @@ def main() -> int:
             os.path.join(args.out, f"{name}-sim.log"))
         check = run(py + ["profile", "--check", real, "--profile", profile],
                     os.path.join(args.out, f"{name}-check.log"))
+        again = None
+        if args.again:
+            real2 = os.path.join(args.out, f"{name}-real-again")
+            run(py + ["run", path, "--out", real2], os.path.join(args.out, f"{name}-real-again.log"))
+            again = compare(figures(real), figures(real2))
         cmp = compare(figures(real), figures(sim))
         paced = replayed(real, profile)
-        results["recipes"][name] = {"recipe": raw, "comparison": cmp, "check": check, "replay": paced}
-        render(name, cmp, check, paced)
+        results["recipes"][name] = {"recipe": raw, "comparison": cmp, "check": check, "replay": paced,
+                                    "again": again}
+        render(name, cmp, check, paced, again)
     recs = results["recipes"].values()
     results.update(tally([r for x in recs for r in x["comparison"]["rows"]], [x["comparison"] for x in recs]))
     results["replay_met"] = tally([r for x in recs for r in x["replay"]["comparison"]["rows"]],
                                   [x["replay"]["comparison"] for x in recs])
+    if args.again:
+        results["again_met"] = tally([r for x in recs for r in x["again"]["rows"]], [x["again"] for x in recs])
     results["took_s"] = time.monotonic() - t0
     with open(os.path.join(args.out, "validation.json"), "w") as f:
         json.dump(results, f, indent=2)
     print()
     say_tally("within target, forecast (the profile as measured before the runs)", results)
     say_tally("within target, replayed at each run's own pace", results["replay_met"])
+    if args.again:
+        say_tally("within target, the real run against itself run again", results["again_met"])
     print(f"{time.monotonic() - t0:.0f} s; wrote {os.path.join(args.out, 'validation.json')}")
     return 0
 

@@ -17,7 +17,8 @@ FAKE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fake_vl
 
 def spec(tmp_path, port, *extra):
     return ServerSpec("unified0", "unified", (sys.executable, FAKE, "--port", str(port), *extra),
-                      (("FAKE_VLLM_PIDS", str(tmp_path / "pids")),), port, str(tmp_path / "server.log"))
+                      (("FAKE_VLLM_PIDS", str(tmp_path / "pids")), ("FAKE_VLLM_TMP", str(tmp_path / "tmp"))),
+                      port, str(tmp_path / "server.log"))
 
 
 @pytest.fixture
@@ -67,3 +68,20 @@ def test_stop_is_idempotent_and_safe_before_start(tmp_path):
     s.stop()
     s.stop()
     assert s.proc.returncode is not None
+
+
+def test_what_the_server_leaves_in_its_temporary_directory_goes_with_it(tmp_path):
+    """vLLM leaves ipc:// sockets and vllm_dist_* files in tempfile.gettempdir() when its group is killed: the
+    server's TMPDIR is a private directory that stop() removes."""
+    import tempfile
+    import time
+
+    s = Server(spec(tmp_path, free_port(), "--fake-child"))
+    s.start()
+    s.wait_ready(time.monotonic() + 300)  # a hang guard, not a speed bound
+    left = open(tmp_path / "tmp").read().split()
+    assert len(left) == 1 and os.path.exists(left[0])
+    assert os.path.dirname(left[0]) == s.tmp != tempfile.gettempdir()
+    s.stop()
+    assert not os.path.exists(left[0]) and not os.path.exists(os.path.dirname(left[0]))
+    assert s.tmp is None

@@ -5,16 +5,24 @@ The server runs in its own process group (it forks engine processes of its own),
 signal to the group: SIGTERM, then SIGKILL, then a wait, which reaps the leader; members reparented to
 init are reaped by init. Its output goes to a log file in the run directory; a failure quotes the last
 meaningful line of it, so the one-line error names the cause.
+
+Its temporary directory (TMPDIR) is a private one that stop() removes: vLLM puts its ipc:// sockets and
+vllm_dist_* files in tempfile.gettempdir() and leaves them behind when its group is killed (seven sockets and
+a file in /tmp per run otherwise). torch inductor's compile cache, which lives there too, is pointed back at
+its usual place, so each start does not compile vLLM's CPU kernels afresh.
 """
 
 from __future__ import annotations
 
+import getpass
 import http.client
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -82,6 +90,7 @@ class Server:
         self.proc: Optional[subprocess.Popen] = None
         self._log = None
         self.shm: set[str] = set()  # /dev/shm files its processes were seen to map
+        self.tmp: Optional[str] = None  # its private TMPDIR, removed by stop()
 
     @property
     def pid(self) -> Optional[int]:
@@ -100,8 +109,10 @@ class Server:
         os.makedirs(os.path.dirname(s.log_path) or ".", exist_ok=True)
         self._log = open(s.log_path, "ab")
         cores = set(s.cores)
+        self.tmp = tempfile.mkdtemp(prefix=f"pdlab-{s.name}-")
+        env = {**_inductor_cache(), **os.environ, **dict(s.env), "TMPDIR": self.tmp}
         self.proc = subprocess.Popen(
-            list(s.argv), env={**os.environ, **dict(s.env)}, stdin=subprocess.DEVNULL, stdout=self._log,
+            list(s.argv), env=env, stdin=subprocess.DEVNULL, stdout=self._log,
             stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None)
 
@@ -182,9 +193,22 @@ class Server:
             self.shm.clear()
             if left and self._log is not None:
                 self._log.write(f"pdlab: removed shared memory the server left: {' '.join(left)}\n".encode())
+        if self.tmp and (p is None or not _group_alive(p.pid)):
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
         if self._log is not None:
             self._log.close()
             self._log = None
+
+
+def _inductor_cache() -> dict[str, str]:
+    """torch inductor's cache where it would be under the usual TMPDIR (its default), unless the user cannot be
+    named, where the server's compiles go to its private TMPDIR and are lost."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        return {}
+    return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")}
 
 
 def _group_pids(pgid: int) -> list[int]:

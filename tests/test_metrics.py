@@ -163,6 +163,26 @@ def test_summarize_run_goodput_per_variant():
     assert s["partial"] is False
 
 
+def test_a_rate_pooled_over_repeats_is_timed_repeat_by_repeat():
+    """The two repeats of a rate ran 100 s apart (the other rates in between): pooled, the rate's throughput and
+    realised rate are those of each repeat, not of the time from the first repeat's start to the second's end."""
+    reqs = []
+    for repeat, t0 in ((0, 0.0), (1, 100.0)):
+        for rate in (2.0, math.inf):
+            for i in range(4):
+                arrival = t0 + (0.0 if math.isinf(rate) else i * 0.5)
+                reqs.append(rec(f"{rate}-{repeat}-{i}", arrival, [arrival + 0.05, arrival + 0.08], rate=rate,
+                                repeat=repeat))
+    one = summarize_run([r for r in reqs if r["repeat"] == 0], [], [], SLO)["variants"]["v"]["rates"]
+    both = summarize_run(reqs, [], [], SLO)["variants"]["v"]["rates"]
+    assert one["inf"]["output_tok_s"] == pytest.approx(8 / 0.08) and one["inf"]["slo_met"] == 4
+    for tag in ("2", "inf"):
+        for k in ("output_tok_s", "request_throughput", "total_tok_s", "slo_met_per_s"):
+            assert both[tag][k] == pytest.approx(one[tag][k]), (tag, k)
+        assert both[tag]["duration_s"] == pytest.approx(2 * one[tag]["duration_s"])
+    assert one["2"]["realised_rate"] == pytest.approx(2.0) and both["2"]["realised_rate"] == pytest.approx(2.0)
+
+
 def test_ttft_parts_wait_for_room_is_admission_not_transfer():
     # pull: prefill ends at 0.40, the decode side finds KV room at 0.46, copies until 0.47, admits at 0.48
     ph = {"prefill_start": 0.1, "prefill_end": 0.40, "transfer_start": 0.46, "transfer_end": 0.47, "admitted": 0.48}

@@ -65,6 +65,23 @@ def timings(arrival: float, token_times: list[float], chunks: Optional[list[int]
             "itl": [b - a for a, b in zip(times, times[1:])]}
 
 
+def _spans(per: list[dict]) -> tuple[float, Optional[float], int]:
+    """(arrival span, duration, repeats) of records, summed over their repeats: a repeat's span runs from its
+    first arrival to its last, its duration from its first arrival to its last completed request's last
+    token."""
+    by: dict[int, list[dict]] = {}
+    for r in per:
+        by.setdefault(int(r.get("repeat") or 0), []).append(r)
+    span, duration = 0.0, 0.0
+    for rs in by.values():
+        arrivals = [r["arrival"] for r in rs]
+        span += max(arrivals) - min(arrivals)
+        end = max((r["token_times"][-1] for r in rs if r["ok"]), default=None)
+        if end is not None and end > min(arrivals):
+            duration += end - min(arrivals)
+    return span, duration or None, len(by)
+
+
 def build_request_record(*, variant: str, rate: float, id: str, prompt_ids: list[int], output_ids: list[int],
                          arrival: float, token_times: list[float], slo: SLO, error: Optional[str] = None,
                          phases: Optional[dict] = None, workers: Optional[dict] = None, cached_tokens: int = 0,
@@ -105,7 +122,10 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
     """The metrics of one (variant, repeat, rate), recomputed from raw fields (arrival, token_times, ok).
 
     Warm-up records (`warmup: true`) are ignored. Duration runs from the first arrival to the last token.
-    The realised rate is (requests - 1) over the span of their arrivals, beside the nominal `rate`.
+    The realised rate is (requests - 1) over the span of their arrivals, beside the nominal `rate`. Records of
+    several repeats (pooled over repeats) are timed repeat by repeat: the duration and the span are the sums of
+    each repeat's own, not the time from the first repeat's start to the last one's end, which holds the other
+    rates run in between.
     """
     reqs = [r for r in requests if not r.get("warmup")]
     sent = len(reqs)
@@ -118,16 +138,12 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
     good = [r for r in per if r["ok"]]
     met = sum(1 for r in per if r["slo_ok"])
     met_tpot = sum(1 for r in per if r["slo_tpot_ok"])
-    arrivals = sorted(r["arrival"] for r in per)
-    span = arrivals[-1] - arrivals[0] if len(arrivals) > 1 else 0.0
     misses = {k: 0 for k in MISS_KINDS}
     for r in per:
         k = miss_kind(r)
         if k:
             misses[k] += 1
-    start = min((r["arrival"] for r in per), default=None)
-    end = max((r["token_times"][-1] for r in good), default=None)
-    duration = (end - start) if start is not None and end is not None and end > start else None
+    span, duration, groups = _spans(per)
     out_tokens = sum(len(r["token_times"]) for r in good)
     in_tokens = sum(int(r.get("prompt_len") or 0) for r in good)
 
@@ -139,7 +155,7 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
     xfer_ms = [(x["end"] - x["start"]) for x in transfers]
     cached = sum(int(r.get("cached_tokens") or 0) for r in good)
     return {
-        "nominal_rate": rate, "realised_rate": (len(arrivals) - 1) / span if span > 0 else None,
+        "nominal_rate": rate, "realised_rate": (len(per) - groups) / span if span > 0 else None,
         "sent": sent, "completed": len(good), "failed": sent - len(good),
         "slo_met": met, "attainment": met / sent if sent else None,
         "attainment_tpot": met_tpot / sent if sent else None,

@@ -1,9 +1,9 @@
 """Held-out validation of the timing model (issue 25, item 5): measure a profile of this box, then run three
 recipes it was never fitted on for real and in the simulator, and set the figures side by side.
 
-    python benchmarks/timing_validation.py --out runs/timing-validation            # ~15 min on 2 cores
+    python benchmarks/timing_validation.py --out runs/timing-validation            # ~17 min on 2 cores
     python benchmarks/timing_validation.py --out DIR --profile box.yaml            # an existing profile
-    python benchmarks/timing_validation.py --out DIR --requests 24 --repeats 2      # tighter figures
+    python benchmarks/timing_validation.py --out DIR --requests 16 --repeats 1 --no-again   # ~3 min, rough
 
 Each recipe is cpu-demo on two single-core workers, unified (2 replicas) against a 1P1D deployment, with a
 length mix of its own: short prompts and outputs (pull), long prompts (push), and a wide mix under chunked
@@ -18,9 +18,13 @@ throughput, and by mean attainment over the finite rates). The targets (issue 25
 p50 within 20%, TTFT p90 and ITL p90 within 25%, attainment within 0.15, saturation within 15%, the same
 ranking. Each real run is then replayed at its own pace (pdlab.timing.replay: each worker's steps at their
 measured / predicted time in the run, rate by rate, with the run's gaps and hops), and the same figures are
-counted again: the forecast's
-miss is the box's drift between the profile and the run plus the simulator's own error; the replay's is the
-latter alone. DIR/validation.json keeps every figure; the runs stay in DIR for pdlab compare.
+counted again: the forecast's miss is the box's drift between the profile and the run plus the simulator's own
+error; the replay's is the latter alone. Each real run is also run a second time right after it (--no-again
+skips it), and the two real runs are held to the same targets against each other: the measurement's own
+reproducibility, the floor under any forecast's miss at this many requests. It is why the default is 24
+requests a rate, twice: at 16 once, a real run met the targets against itself in 20 of 24 ITL p90 cells
+(BENCHMARKS.md). A ranking that differs only between deployments within the target of each other on both
+sides (a tie) is counted apart. DIR/validation.json keeps every figure; the runs stay in DIR for pdlab compare.
 """
 
 from __future__ import annotations
@@ -132,13 +136,16 @@ def render(name: str, cmp: dict, check: str, paced: dict | None, again: dict | N
 def tally(rows: list[dict], recipes: list[dict]) -> dict:
     met = within(rows)
     return {"met": {k: {"within": a, "of": b} for k, (a, b) in met.items()},
-            "ranking_same": {"recipes": sum(c["ranking"]["same"] for c in recipes), "of": len(recipes)}}
+            "ranking_same": {"recipes": sum(c["ranking"]["same"] for c in recipes), "of": len(recipes)},
+            "ranking_agree": {"recipes": sum(c["ranking"].get("agree", c["ranking"]["same"]) for c in recipes),
+                              "of": len(recipes)}}
 
 
 def say_tally(what: str, t: dict) -> None:
     print(f"{what}: " + ", ".join(f"{k} (±{TARGETS[k]:g}{'' if k == 'attainment' else ' rel'}) {m['within']}/{m['of']}"
                                   for k, m in t["met"].items()) +
-          f"; same ranking {t['ranking_same']['recipes']}/{t['ranking_same']['of']}")
+          f"; same ranking {t['ranking_same']['recipes']}/{t['ranking_same']['of']}"
+          f" ({t['ranking_agree']['recipes']} with ties within the target read as ties)")
 
 
 def replayed(run_dir: str, profile: str) -> dict:
@@ -162,11 +169,12 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="a new directory for the profile, recipes, runs and results")
     ap.add_argument("--profile", help="an existing profile (default: measure one first with pdlab profile)")
     ap.add_argument("--steps", type=int, default=400, help="pdlab profile --steps (default 400)")
-    ap.add_argument("--requests", type=int, default=16, help="requests per rate (default 16)")
-    ap.add_argument("--repeats", type=int, default=1, help="repeats of each rate (default 1)")
+    ap.add_argument("--requests", type=int, default=24, help="requests per rate (default 24)")
+    ap.add_argument("--repeats", type=int, default=2, help="repeats of each rate (default 2)")
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"which of {', '.join(RECIPES)}")
-    ap.add_argument("--again", action="store_true",
-                    help="run each real recipe twice and hold the two real runs to the targets against each other")
+    ap.add_argument("--again", action=argparse.BooleanOptionalAction, default=True,
+                    help="run each real recipe twice and hold the two real runs to the targets against each other "
+                         "(default: on)")
     args = ap.parse_args()
     names = [n for n in args.recipes.split(",") if n]
     if any(n not in RECIPES for n in names):

@@ -122,13 +122,34 @@ def compare(real: dict, sim: dict) -> dict:
                                      "ok": e is not None and abs(e) <= TARGETS["saturation"]}
             rows.append(row)
     ranks: dict[str, Any] = {}
+    scores = {}
     for side, figs in (("real", real), ("sim", sim)):
-        by_sat = sorted(figs, key=lambda v: -(figs[v].get("inf", {}).get("output_tok_s") or 0))
-        by_att = sorted(figs, key=lambda v: -float(np.mean([x["attainment"] or 0 for t, x in figs[v].items()
-                                                             if t != "inf"] or [0])))
-        ranks[side] = {"saturation": by_sat, "attainment": by_att}
+        scores[side] = {"saturation": {v: figs[v].get("inf", {}).get("output_tok_s") or 0.0 for v in figs},
+                        "attainment": {v: float(np.mean([x["attainment"] or 0 for t, x in figs[v].items()
+                                                         if t != "inf"] or [0])) for v in figs}}
+        ranks[side] = {k: sorted(figs, key=lambda v, k=k: -scores[side][k][v]) for k in scores[side]}
     ranks["same"] = ranks["real"] == ranks["sim"]
+    ranks["agree"] = all(_concordant(scores["real"][k], scores["sim"][k], TARGETS[k], relative=k == "saturation")
+                         for k in ("saturation", "attainment"))
     return {"rows": rows, "ranking": ranks}
+
+
+def _concordant(real: dict[str, float], sim: dict[str, float], tol: float, relative: bool) -> bool:
+    """Whether no two deployments are ordered one way by one side and the other way by the other, where either
+    side sets them apart by more than `tol` (relative to their mean, or absolute). Two deployments within the
+    target of each other on both sides are a tie, not a ranking: the order of a tie is noise (BENCHMARKS.md:
+    the same run, run twice, swaps it)."""
+    def diff(x: dict[str, float], a: str, b: str) -> float:
+        d = x[a] - x[b]
+        return d / ((x[a] + x[b]) / 2) if relative and x[a] + x[b] > 0 else d
+
+    names = [v for v in real if v in sim]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            dr, ds = diff(real, a, b), diff(sim, a, b)
+            if dr * ds < 0 and max(abs(dr), abs(ds)) > tol:
+                return False
+    return True
 
 
 def within(rows: list[dict]) -> dict[str, tuple[int, int]]:
@@ -155,9 +176,9 @@ def table(cmp: dict) -> list[str]:
         if "saturation" in r:
             out.append(f"{'':28} saturation output tok/s {cell(r['saturation'])}")
     rk = cmp["ranking"]
+    same = "the same" if rk["same"] else "the same but for a tie within the target" if rk.get("agree") else "DIFFERENT"
     out.append(f"ranking by saturation: real {rk['real']['saturation']}, simulated {rk['sim']['saturation']}; by "
-               f"attainment: real {rk['real']['attainment']}, simulated {rk['sim']['attainment']}: "
-               f"{'the same' if rk['same'] else 'DIFFERENT'}")
+               f"attainment: real {rk['real']['attainment']}, simulated {rk['sim']['attainment']}: {same}")
     return out
 
 

@@ -129,7 +129,7 @@ def render(name: str, cmp: dict, check: str, paced: dict | None, again: dict | N
             print(f"    {line}")
     if again:
         print("  the real run against itself run again (pdlab run, the same recipe, right after):")
-        for line in table(again):
+        for line in table(again, ("run", "rerun")):
             print(f"    {line}")
 
 
@@ -137,7 +137,7 @@ def tally(rows: list[dict], recipes: list[dict]) -> dict:
     met = within(rows)
     return {"met": {k: {"within": a, "of": b} for k, (a, b) in met.items()},
             "ranking_same": {"recipes": sum(c["ranking"]["same"] for c in recipes), "of": len(recipes)},
-            "ranking_agree": {"recipes": sum(c["ranking"].get("agree", c["ranking"]["same"]) for c in recipes),
+            "ranking_agree": {"recipes": sum(c["ranking"]["agree"] for c in recipes),
                               "of": len(recipes)}}
 
 
@@ -200,15 +200,14 @@ def main() -> int:
             yaml.safe_dump(raw, f, sort_keys=False)
         real, sim = os.path.join(args.out, f"{name}-real"), os.path.join(args.out, f"{name}-sim")
         run(py + ["run", path, "--out", real], os.path.join(args.out, f"{name}-real.log"))
+        real2 = os.path.join(args.out, f"{name}-real-again")
+        if args.again:
+            run(py + ["run", path, "--out", real2], os.path.join(args.out, f"{name}-real-again.log"))
         run(py + ["run", path, "--simulate", "--set", f"model.timing={profile}", "--out", sim],
             os.path.join(args.out, f"{name}-sim.log"))
         check = run(py + ["profile", "--check", real, "--profile", profile],
                     os.path.join(args.out, f"{name}-check.log"))
-        again = None
-        if args.again:
-            real2 = os.path.join(args.out, f"{name}-real-again")
-            run(py + ["run", path, "--out", real2], os.path.join(args.out, f"{name}-real-again.log"))
-            again = compare(figures(real), figures(real2))
+        again = compare(figures(real), figures(real2)) if args.again else None
         cmp = compare(figures(real), figures(sim))
         paced = replayed(real, profile)
         results["recipes"][name] = {"recipe": raw, "comparison": cmp, "check": check, "replay": paced,

@@ -77,11 +77,13 @@ def test_what_the_server_leaves_in_its_temporary_directory_goes_with_it(tmp_path
     import time
 
     s = Server(spec(tmp_path, free_port(), "--fake-child"))
-    s.start()
-    s.wait_ready(time.monotonic() + 300)  # a hang guard, not a speed bound
-    left = open(tmp_path / "tmp").read().split()
-    assert len(left) == 1 and os.path.exists(left[0])
-    assert os.path.dirname(left[0]) == s.tmp != tempfile.gettempdir()
-    s.stop()
+    try:
+        s.start()
+        s.wait_ready(time.monotonic() + 300)  # a hang guard, not a speed bound
+        left = open(tmp_path / "tmp").read().split()
+        assert len(left) == 1 and os.path.exists(left[0])
+        assert os.path.dirname(left[0]) == s.tmp != tempfile.gettempdir()
+    finally:
+        s.stop()
     assert not os.path.exists(left[0]) and not os.path.exists(os.path.dirname(left[0]))
     assert s.tmp is None

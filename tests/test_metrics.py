@@ -181,6 +181,12 @@ def test_a_rate_pooled_over_repeats_is_timed_repeat_by_repeat():
             assert both[tag][k] == pytest.approx(one[tag][k]), (tag, k)
         assert both[tag]["duration_s"] == pytest.approx(2 * one[tag]["duration_s"])
     assert one["2"]["realised_rate"] == pytest.approx(2.0) and both["2"]["realised_rate"] == pytest.approx(2.0)
+    # a third repeat whose requests all failed: no duration to add, its failures counted
+    dead = [rec(f"x-{i}", 300.0 + i * 0.5, [], rate=2.0, repeat=2, error="boom") for i in range(4)]
+    three = summarize_run(reqs + dead, [], [], SLO)["variants"]["v"]["rates"]["2"]
+    assert three["duration_s"] == pytest.approx(both["2"]["duration_s"]) and three["failed"] == 4
+    assert three["output_tok_s"] == pytest.approx(one["2"]["output_tok_s"])
+    assert three["realised_rate"] == pytest.approx(2.0)
 
 
 def test_ttft_parts_wait_for_room_is_admission_not_transfer():

@@ -138,20 +138,27 @@ def test_replay_needs_check():
     assert r.returncode == 2 and r.stderr.strip() == "error: --replay goes with --check RUN_DIR: the run to replay"
 
 
-def figs(sat: dict, att: dict) -> dict:
+def scored(sat: dict, att: dict) -> dict:
     return {v: {"1": {"ttft_p50": 10.0, "ttft_p90": 20.0, "itl_p90": 5.0, "attainment": att[v], "output_tok_s": None},
                 "inf": {"ttft_p50": 10.0, "ttft_p90": 20.0, "itl_p90": 5.0, "attainment": 0.0,
                         "output_tok_s": sat[v]}} for v in sat}
 
 
 def test_two_deployments_within_the_target_of_each_other_are_a_tie_not_a_ranking():
-    real = figs({"a": 1000.0, "b": 980.0}, {"a": 0.95, "b": 0.90})
-    tie = compare(real, figs({"a": 980.0, "b": 1000.0}, {"a": 0.90, "b": 0.95}))["ranking"]
+    real = scored({"a": 1000.0, "b": 980.0}, {"a": 0.95, "b": 0.90})
+    tie = compare(real, scored({"a": 980.0, "b": 1000.0}, {"a": 0.90, "b": 0.95}))["ranking"]
     assert not tie["same"] and tie["agree"]  # 2% and 0.05 apart: either order is the noise's
-    apart = compare(real, figs({"a": 700.0, "b": 1000.0}, {"a": 0.95, "b": 0.90}))["ranking"]
+    apart = compare(real, scored({"a": 700.0, "b": 1000.0}, {"a": 0.95, "b": 0.90}))["ranking"]
     assert not apart["same"] and not apart["agree"]  # the simulation sets b 35% above a, the run the other way
-    att = compare(real, figs({"a": 1000.0, "b": 980.0}, {"a": 0.60, "b": 0.90}))["ranking"]
+    att = compare(real, scored({"a": 1000.0, "b": 980.0}, {"a": 0.60, "b": 0.90}))["ranking"]
     assert not att["same"] and not att["agree"]  # attainment 0.30 apart the other way
     same = compare(real, real)["ranking"]
     assert same["same"] and same["agree"]
-    assert "but for a tie" in table(compare(real, figs({"a": 980.0, "b": 1000.0}, {"a": 0.95, "b": 0.90})))[-1]
+    assert "but for a tie" in table(compare(real, scored({"a": 980.0, "b": 1000.0}, {"a": 0.95, "b": 0.90})))[-1]
+    lost = compare(real, scored({"a": 1000.0}, {"a": 0.95}))["ranking"]
+    assert not lost["same"] and not lost["agree"]  # a deployment the simulation lacks is no tie
+    three = scored({"a": 1000.0, "b": 980.0, "c": 500.0}, {"a": 0.95, "b": 0.90, "c": 0.2})
+    swapped = compare(three, scored({"a": 990.0, "b": 1000.0, "c": 520.0}, {"a": 0.94, "b": 0.95, "c": 0.25}))
+    assert swapped["ranking"]["agree"] and not swapped["ranking"]["same"]
+    last = compare(three, scored({"a": 990.0, "b": 1000.0, "c": 1200.0}, {"a": 0.94, "b": 0.95, "c": 0.25}))
+    assert not last["ranking"]["agree"]  # c from last to first

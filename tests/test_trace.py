@@ -55,3 +55,17 @@ def test_trace_is_valid_chrome_json_with_the_required_tracks():
     for e in ev:
         if "ts" in e:
             assert e["ts"] >= 0
+
+
+def test_a_rate_run_twice_is_one_run_slice_per_repeat():
+    """Repeats of a rate run apart, other rates between them: one slice per repeat, none spanning the gap."""
+    reqs = [{"variant": "u", "rate": r, "repeat": rep, "id": f"{r}-{rep}", "arrival": t, "token_times": [t + 0.5],
+             "ok": True, "phases": {}}
+            for rep, base in ((0, 100.0), (1, 200.0)) for r, t in ((1.0, base), (2.0, base + 10.0))]
+    ev = build_trace(reqs, [], [])["traceEvents"]
+    run = next(e["pid"] for e in ev if e["ph"] == "M" and e["name"] == "process_name" and e["args"]["name"] == "run")
+    slices = sorted((e["ts"], e["dur"], e["name"]) for e in ev if e["ph"] == "X" and e["pid"] == run)
+    assert [n for _, _, n in slices] == ["u @ 1 req/s (repeat 1)", "u @ 2 req/s (repeat 1)",
+                                         "u @ 1 req/s (repeat 2)", "u @ 2 req/s (repeat 2)"]
+    assert all(d == 500000.0 for _, d, _ in slices)
+    assert all(a + d <= b for (a, d, _), (b, _, _) in zip(slices, slices[1:]))  # nested in time, not overlapping

@@ -9,7 +9,8 @@ meaningful line of it, so the one-line error names the cause.
 Its temporary directory (TMPDIR) is a private one that stop() removes: vLLM puts its ipc:// sockets and
 vllm_dist_* files in tempfile.gettempdir() and leaves them behind when its group is killed (seven sockets and
 a file in /tmp per run otherwise). torch inductor's compile cache, which lives there too, is pointed back at
-its usual place, so each start does not compile vLLM's CPU kernels afresh.
+its usual place, so each start does not compile vLLM's CPU kernels afresh. A TMPDIR in the recipe's
+`engine.env` is overridden for the same reason.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import getpass
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -205,7 +207,7 @@ def _inductor_cache() -> dict[str, str]:
     """torch inductor's cache where it would be under the usual TMPDIR (its default), unless the user cannot be
     named, where the server's compiles go to its private TMPDIR and are lost."""
     try:
-        user = getpass.getuser()
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())  # as torch names it
     except (KeyError, OSError):
         return {}
     return {"TORCHINDUCTOR_CACHE_DIR": os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")}

@@ -65,10 +65,12 @@ def timings(arrival: float, token_times: list[float], chunks: Optional[list[int]
             "itl": [b - a for a, b in zip(times, times[1:])]}
 
 
-def _spans(per: list[dict]) -> tuple[float, Optional[float], int]:
+def repeat_spans(per: list[dict]) -> tuple[float, Optional[float], int]:
     """(arrival span, duration, repeats) of records, summed over their repeats: a repeat's span runs from its
     first arrival to its last, its duration from its first arrival to its last completed request's last
-    token."""
+    token. A repeat with no completed request adds no duration (there is no last token to end it), so a
+    throughput over the sum is that of the repeats that completed something; its failures still count where
+    requests are counted."""
     by: dict[int, list[dict]] = {}
     for r in per:
         by.setdefault(int(r.get("repeat") or 0), []).append(r)
@@ -143,7 +145,7 @@ def summarize_rate(requests: list[dict], steps: list[dict], transfers: list[dict
         k = miss_kind(r)
         if k:
             misses[k] += 1
-    span, duration, groups = _spans(per)
+    span, duration, groups = repeat_spans(per)
     out_tokens = sum(len(r["token_times"]) for r in good)
     in_tokens = sum(int(r.get("prompt_len") or 0) for r in good)
 

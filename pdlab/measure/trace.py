@@ -79,15 +79,19 @@ def build_trace(requests: list[dict], steps: list[dict], transfers: list[dict],
                        "args": {"sort_index": pids[name]}})
         return pids[name]
 
-    spans: dict[tuple[str, str], list[float]] = defaultdict(lambda: [float("inf"), float("-inf")])
+    # one slice per variant, rate and repeat: a rate's repeats run apart, with the other rates between them
+    spans: dict[tuple[str, str, int], list[float]] = defaultdict(lambda: [float("inf"), float("-inf")])
     for r in requests:
-        sp = spans[(r["variant"], _rate_text(r["rate"]))]
+        sp = spans[(r["variant"], _rate_text(r["rate"]), int(r.get("repeat") or 0))]
         sp[0] = min(sp[0], r["arrival"])
         sp[1] = max(sp[1], (r.get("token_times") or [r["arrival"]])[-1])
     run_pid = pid("run")
-    for (variant, rate), (a, b) in spans.items():
-        ev.append({"ph": "X", "name": f"{variant} @ {rate} req/s", "pid": run_pid, "tid": 1, "ts": us(a),
-                   "dur": max(0.0, round((b - a) * US, 3)), "args": {"variant": variant, "rate": rate}})
+    repeats = any(k[2] for k in spans)
+    for (variant, rate, repeat), (a, b) in spans.items():
+        name = f"{variant} @ {rate} req/s" + (f" (repeat {repeat + 1})" if repeats else "")
+        ev.append({"ph": "X", "name": name, "pid": run_pid, "tid": 1, "ts": us(a),
+                   "dur": max(0.0, round((b - a) * US, 3)), "args": {"variant": variant, "rate": rate,
+                                                                     "repeat": repeat}})
 
     for s in sorted(steps, key=lambda s: s["start"]):
         p = pid(f"{s['variant']}/{s['worker']} ({s.get('role', '?')})")

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
+from pdlab.measure.metrics import repeat_spans
 from pdlab.recipe.timing import TimingProfile
 from pdlab.sim.pace import WorkerPace, quantiles
 from pdlab.timing.check import busy_ratio
@@ -79,7 +80,8 @@ def worker_paces(profile: TimingProfile, steps: list[dict], workers: Sequence[st
 
 def figures(requests: list[dict], summary: dict) -> dict:
     """variant -> rate tag -> {ttft_p50, ttft_p90, itl_p90 (ms), attainment, output_tok_s} of a run's measured
-    requests (warm-up left out; attainment and throughput as its summary has them)."""
+    requests (warm-up left out; attainment as its summary has it; the output throughput from the requests,
+    timed repeat by repeat, so a summary.json written before its pooled rates were timed so reads the same)."""
     out: dict = {}
     for v, vs in summary.get("variants", {}).items():
         for tag, rs in (vs.get("rates") or {}).items():
@@ -87,9 +89,11 @@ def figures(requests: list[dict], summary: dict) -> dict:
                     and not r.get("warmup") and r.get("ok")]
             ttft = [r["ttft"] * 1000 for r in mine]
             p99 = [float(np.percentile(r["itl"], 99)) * 1000 for r in mine if r.get("itl")]
+            duration = repeat_spans(mine)[1]
+            tok_s = sum(len(r["token_times"]) for r in mine) / duration if duration else None
             out.setdefault(v, {})[tag] = {"ttft_p50": _pct(ttft, 50), "ttft_p90": _pct(ttft, 90),
                                           "itl_p90": _pct(p99, 90), "attainment": rs.get("attainment"),
-                                          "output_tok_s": rs.get("output_tok_s")}
+                                          "output_tok_s": tok_s}
     return out
 
 
@@ -102,8 +106,10 @@ def _rel(sim: Optional[float], real: Optional[float]) -> Optional[float]:
 
 
 def compare(real: dict, sim: dict) -> dict:
-    """{rows: per variant and rate {figure: {real, sim, error, ok}}, ranking: {real, sim, same}}: the error of
-    each figure against TARGETS (relative; attainment absolute; saturation only at the rate inf)."""
+    """{rows: per variant and rate {figure: {real, sim, error, ok}}, ranking: {real, sim, same, agree}}: the
+    error of each figure against TARGETS (relative; attainment absolute; saturation only at the rate inf);
+    `same`: the two orders of deployments (by saturation throughput, by mean attainment) are equal; `agree`:
+    they are, but for ties within the target (_concordant)."""
     rows = []
     for v in real:
         for tag, a in real[v].items():
@@ -122,7 +128,7 @@ def compare(real: dict, sim: dict) -> dict:
                                      "ok": e is not None and abs(e) <= TARGETS["saturation"]}
             rows.append(row)
     ranks: dict[str, Any] = {}
-    scores = {}
+    scores: dict[str, dict[str, dict[str, float]]] = {}
     for side, figs in (("real", real), ("sim", sim)):
         scores[side] = {"saturation": {v: figs[v].get("inf", {}).get("output_tok_s") or 0.0 for v in figs},
                         "attainment": {v: float(np.mean([x["attainment"] or 0 for t, x in figs[v].items()
@@ -143,7 +149,9 @@ def _concordant(real: dict[str, float], sim: dict[str, float], tol: float, relat
         d = x[a] - x[b]
         return d / ((x[a] + x[b]) / 2) if relative and x[a] + x[b] > 0 else d
 
-    names = [v for v in real if v in sim]
+    if set(real) != set(sim):
+        return False  # a deployment one side lacks: no ranking to agree on
+    names = list(real)
     for i, a in enumerate(names):
         for b in names[i + 1:]:
             dr, ds = diff(real, a, b), diff(sim, a, b)
@@ -166,8 +174,9 @@ def cell(x: dict, digits: int = 0, absolute: bool = False) -> str:
     return f"{x['real']:.{digits}f} / {sim}{err}{'' if x['ok'] else ' !'}"
 
 
-def table(cmp: dict) -> list[str]:
-    """The comparison as lines of text: one per variant and rate, saturation beneath the rate inf."""
+def table(cmp: dict, sides: tuple[str, str] = ("real", "simulated")) -> list[str]:
+    """The comparison as lines of text: one per variant and rate, saturation beneath the rate inf; `sides`
+    names the two figures set side by side (the cells read "first / second")."""
     out = [f"{'variant @ rate (req/s)':28} {'TTFT p50 ms':>20} {'TTFT p90 ms':>20} {'p99 ITL p90 ms':>20} "
            f"{'attainment':>20}"]
     for r in cmp["rows"]:
@@ -177,8 +186,9 @@ def table(cmp: dict) -> list[str]:
             out.append(f"{'':28} saturation output tok/s {cell(r['saturation'])}")
     rk = cmp["ranking"]
     same = "the same" if rk["same"] else "the same but for a tie within the target" if rk.get("agree") else "DIFFERENT"
-    out.append(f"ranking by saturation: real {rk['real']['saturation']}, simulated {rk['sim']['saturation']}; by "
-               f"attainment: real {rk['real']['attainment']}, simulated {rk['sim']['attainment']}: {same}")
+    a, b = sides
+    out.append(f"ranking by saturation: {a} {rk['real']['saturation']}, {b} {rk['sim']['saturation']}; by "
+               f"attainment: {a} {rk['real']['attainment']}, {b} {rk['sim']['attainment']}: {same}")
     return out
 
 

@@ -10,9 +10,9 @@ Its tokens are a deterministic function of the prompt. Behaviour switches (after
   --fake-token-s S      seconds between tokens (default 0.002)
   --fake-chunk K        tokens per streamed chunk (default 1)
 Env FAKE_VLLM_PIDS: a file to which it appends its pid (and its child's).
-Like vLLM (its ipc:// sockets, its vllm_dist_* files), it binds a socket file in the temporary directory
-(tempfile.gettempdir()) that stays there when it is killed; env FAKE_VLLM_TMP: a file to which it appends
-that socket's path.
+Env FAKE_VLLM_TMP: a file; like vLLM (its ipc:// sockets, its vllm_dist_* files), it then binds a socket
+file in the temporary directory (tempfile.gettempdir()) that stays there when it is killed, and appends the
+socket's path to that file.
 Env FAKE_VLLM_LOG: a file to which it appends one JSON line per completion ({"body": what it was sent}) and
 one per stream whose client closed the connection before the end ({"closed": tokens sent before}).
 A stream stops after the first token in `stop_token_ids` (finish_reason "stop"), as vLLM's does.
@@ -51,10 +51,10 @@ def note_pid(pid: int) -> None:
 
 
 note_pid(os.getpid())
-# like vLLM's ipc:// sockets and vllm_dist_* files: in the temporary directory, never removed by a killed server
-_sock = socket.socket(socket.AF_UNIX)
-_sock.bind(os.path.join(tempfile.gettempdir(), f"fake_vllm_{uuid.uuid4().hex}"))
 if os.environ.get("FAKE_VLLM_TMP"):
+    # like vLLM's ipc:// sockets and vllm_dist_* files: in the temporary directory, left there when killed
+    _sock = socket.socket(socket.AF_UNIX)
+    _sock.bind(os.path.join(tempfile.gettempdir(), f"fake_vllm_{uuid.uuid4().hex}"))
     with open(os.environ["FAKE_VLLM_TMP"], "a") as f:
         f.write(f"{_sock.getsockname()}\n")
 if args.fake_child:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -75,6 +76,7 @@ def _no_leftovers(pids, prefix):
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
     assert not segments_with([prefix])
+    assert not [n for n in os.listdir(tempfile.gettempdir()) if n.startswith(prefix)], "a worker's folder left"
 
 
 DISAGG = [

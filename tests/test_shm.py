@@ -1,6 +1,7 @@
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import pytest
@@ -67,6 +68,21 @@ def test_sweep_removes_a_runs_segments_only():
         assert not _exists(a.name) and _exists(b.name)
     finally:
         b.unlink()
+
+
+def test_sweep_tmp_removes_a_runs_folders_only(tmp_path, monkeypatch):
+    """What a killed worker left in the temporary directory (its UCX log folder, its tensor group's store)
+    carries its run's prefix; the cluster's stop removes those folders and nothing else."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    mine = tempfile.mkdtemp(prefix="pdlab-run1aa-decode0-ucx-")
+    (tmp_path / mine / "ucx.log").write_text("left by a killed worker")
+    other = tempfile.mkdtemp(prefix="pdlab-run2bb-decode0-ucx-")
+    same_name_file = tmp_path / "pdlab-run1aa-a-file"
+    same_name_file.write_text("not a folder")
+    assert shm.sweep_tmp("pdlab-run1aa-") == [os.path.basename(mine)]
+    assert not os.path.exists(mine) and os.path.isdir(other) and same_name_file.exists()
+    with pytest.raises(ValueError):
+        shm.sweep_tmp("run1aa-")
 
 
 def test_allocator_places_the_pool_once():

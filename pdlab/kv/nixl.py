@@ -96,7 +96,7 @@ class NixlTransport(Transport):
         self.timeout_s = timeout_s
         self.ucx_tls = resolve_ucx_tls(ucx_tls, self.device.type == "cuda")
         os.environ["UCX_TLS"] = self.ucx_tls  # read by UCX when this agent creates its backend
-        self.log_file = ucx_log_file()
+        self.log_file = ucx_log_file(f"{agent_name}-")  # the agent is named with its run's prefix
         api = load_api()
         conf = api.nixl_agent_config(backends=list(backends),
                                      sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)  # copier threads

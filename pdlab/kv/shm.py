@@ -19,6 +19,8 @@ import atexit
 import mmap
 import os
 import secrets
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass
 from math import prod
@@ -149,6 +151,25 @@ def sweep(prefix: str) -> list[str]:
         return gone
     for n in entries:
         if n.startswith(prefix) and unlink(n):
+            gone.append(n)
+    return gone
+
+
+def sweep_tmp(prefix: str) -> list[str]:
+    """Remove every folder in the temporary directory whose name starts with `prefix` (a run's own prefix): what
+    its workers made there (a UCX log folder, a tensor group's store) and left when killed. Returns them."""
+    if not prefix.startswith(PREFIX):
+        raise ValueError(f"sweep prefix must start with {PREFIX!r}")
+    root = tempfile.gettempdir()
+    try:
+        entries = os.listdir(root)
+    except OSError:
+        return []
+    gone = []
+    for n in entries:
+        path = os.path.join(root, n)
+        if n.startswith(prefix) and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
             gone.append(n)
     return gone
 

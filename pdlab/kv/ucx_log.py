@@ -22,12 +22,14 @@ _LANES = re.compile(r"UCX\s+INFO\s+(\S+)\s+((?:intra|inter)-node) cfg#\d+\s+(.*)
 _log_dir: Optional[str] = None
 
 
-def ucx_log_file() -> str:
-    """The file UCX logs to in this process (set before UCX loads: UCX reads it once per process)."""
+def ucx_log_file(prefix: str = "pdlab-") -> str:
+    """The file UCX logs to in this process (set before UCX loads: UCX reads it once per process). Its folder's
+    name starts with `prefix`: a worker passes its run's prefix, so the cluster that started it removes the
+    folder even when the worker was killed and ran no exit hook (pdlab.kv.shm.sweep_tmp)."""
     global _log_dir
     if os.environ.get("UCX_LOG_FILE"):
         return os.environ["UCX_LOG_FILE"]
-    _log_dir = tempfile.mkdtemp(prefix="pdlab-ucx-")
+    _log_dir = tempfile.mkdtemp(prefix=f"{prefix}ucx-")
     atexit.register(shutil.rmtree, _log_dir, True)
     os.environ["UCX_LOG_FILE"] = os.path.join(_log_dir, "ucx.log")
     os.environ.setdefault("UCX_LOG_LEVEL", "info")  # the lanes of each endpoint are logged at info

@@ -201,6 +201,8 @@ class Agent:
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
         swept = shm.sweep(self.run_prefix) if self.run_prefix else []
+        if self.run_prefix:
+            shm.sweep_tmp(self.run_prefix)  # the workers' folders in the temporary directory (UCX logs, TP stores)
         codes = ", ".join(f"{n} exited {p.exitcode}" for n, p in self.procs.items())
         if report:
             self._reap()

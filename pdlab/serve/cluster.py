@@ -286,6 +286,7 @@ class Cluster:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
         shm.sweep(self.run_prefix)
+        shm.sweep_tmp(self.run_prefix)
         _live.discard(self)
 
     def __enter__(self) -> "Cluster":

@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any, Optional
 
+from pdlab.kv.ucx_log import remove_log_dir
 from pdlab.serve import messages as m
 from pdlab.serve import node_messages as nm
 from pdlab.serve.curve import connect_as_member
@@ -93,6 +94,7 @@ def run_peer(raw: dict) -> None:
     finally:
         if transport is not None:
             transport.close()
+            remove_log_dir()  # this child ends with os._exit, which runs no atexit hook
         sock.close()
         ctx.term()
 

@@ -77,7 +77,8 @@ class TensorGroup:
         from pdlab.serve.spec import WorkerSpec
 
         self.spec = spec
-        self.store_dir = tempfile.mkdtemp(prefix="pdlab-tp-")
+        # named with the run's prefix: the cluster removes it even when this worker is killed
+        self.store_dir = tempfile.mkdtemp(prefix=f"{spec.run_prefix}{spec.name}-tp-")
         self.procs: list = []
         self.fast = _fast_reduce(spec, 0, lambda: all(p.poll() is None for p in self.procs))  # before the followers
         # subprocesses, not multiprocessing children: the worker is itself a daemonic multiprocessing child

@@ -121,9 +121,11 @@ def test_an_agent_whose_router_goes_away_stops_its_processes_and_waits_for_the_n
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
+    tmp = tmp_path / "tmp"  # the agent's temporary directory, where its peer's UCX log folder goes
+    tmp.mkdir()
     agent = subprocess.Popen([sys.executable, "-m", "pdlab.cli", "worker", "--join", address, "--devices", "cpu:0",
                               "--name", "b", "--insecure"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT})
+                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp)})
     ctx = zmq.Context()
 
     def router():
@@ -149,15 +151,21 @@ def test_an_agent_whose_router_goes_away_stops_its_processes_and_waits_for_the_n
         from pdlab.serve.peer_probe import peer_spec
 
         spec = peer_spec(address, "tcp,self", 1 << 16)
-        r.send_multipart([ident, m.encode(nm.Probe("s1", f"{shm.PREFIX}{secrets.token_hex(4)}-", spec.to_raw()))])
+        prefix = f"{shm.PREFIX}{secrets.token_hex(4)}-"
+        r.send_multipart([ident, m.encode(nm.Probe("s1", prefix, spec.to_raw()))])
         _, started = next_msg(r, nm.Started)
         pid = started.pids["doctor-peer"]
         next_msg(r, nm.ProbeReady)
+        assert [n for n in os.listdir(tmp) if n.startswith(f"{prefix}peer-")]  # its UCX log folder, named for the run
         r.close(0)  # the router dies
         deadline = time.monotonic() + 60
         while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline:
             time.sleep(0.2)
         assert not os.path.exists(f"/proc/{pid}")  # stopped and reaped by the agent
+        deadline = time.monotonic() + 60  # the agent sweeps after reaping
+        while [n for n in os.listdir(tmp) if n.startswith(prefix)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [n for n in os.listdir(tmp) if n.startswith(prefix)], "the probe peer's folder was left"
         r = router()
         ident, offer = next_msg(r, nm.Offer)  # the next run gets it
         assert agent.poll() is None
@@ -165,6 +173,6 @@ def test_an_agent_whose_router_goes_away_stops_its_processes_and_waits_for_the_n
     finally:
         agent.terminate()
         out = agent.communicate(timeout=60)[0]
-        ctx.term()
+        ctx.destroy(linger=0)  # closes a socket a failed assertion left open: term() would wait on it
     assert agent.returncode == 0, out
     assert "over (the router went away)" in out and "doctor-peer exited" in out

@@ -83,6 +83,9 @@ def test_sweep_tmp_removes_a_runs_folders_only(tmp_path, monkeypatch):
     assert not os.path.exists(mine) and os.path.isdir(other) and same_name_file.exists()
     with pytest.raises(ValueError):
         shm.sweep_tmp("run1aa-")
+    with pytest.raises(ValueError):
+        shm.sweep_tmp("pdlab-")  # every run's folders
+    assert os.path.isdir(other)
 
 
 def test_allocator_places_the_pool_once():

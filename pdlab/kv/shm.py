@@ -157,9 +157,10 @@ def sweep(prefix: str) -> list[str]:
 
 def sweep_tmp(prefix: str) -> list[str]:
     """Remove every folder in the temporary directory whose name starts with `prefix` (a run's own prefix): what
-    its workers made there (a UCX log folder, a tensor group's store) and left when killed. Returns them."""
-    if not prefix.startswith(PREFIX):
-        raise ValueError(f"sweep prefix must start with {PREFIX!r}")
+    its workers made there (a UCX log folder, a tensor group's store) and left when killed. Returns them. The
+    prefix must name one run (more than the bare PREFIX), or every run's folders here would go."""
+    if not prefix.startswith(PREFIX) or len(prefix) <= len(PREFIX):
+        raise ValueError(f"sweep prefix must start with {PREFIX!r} and name one run")
     root = tempfile.gettempdir()
     try:
         entries = os.listdir(root)

@@ -159,7 +159,7 @@ class Agent:
         self.session, self.run_prefix, self.reported = msg.session, msg.run_prefix, set()
         try:
             if isinstance(msg, nm.Probe):
-                self.procs = start_probe(msg.spec, self.join, self.member)
+                self.procs = start_probe(msg.spec, self.join, self.member, msg.run_prefix)
             else:
                 self.procs = start_workers(msg.deployment, msg.specs, self.name, self.devices, self.join,
                                            self.member)

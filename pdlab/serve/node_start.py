@@ -53,9 +53,10 @@ def start_workers(deployment: dict, specs: list[dict], node: str, offered: list[
     return procs
 
 
-def start_probe(spec: dict, join: str, member: Optional[dict]) -> dict[str, Any]:
-    """Start `pdlab doctor --peer`'s probe peer (pdlab.serve.peer_probe) here."""
+def start_probe(spec: dict, join: str, member: Optional[dict], prefix: str) -> dict[str, Any]:
+    """Start `pdlab doctor --peer`'s probe peer (pdlab.serve.peer_probe) here; `prefix`: the session's run
+    prefix, which names what the peer leaves in the temporary directory (swept at the session's end)."""
 
-    peer = replace(PeerSpec.from_raw(spec), endpoint=join, curve=member)
+    peer = replace(PeerSpec.from_raw(spec), endpoint=join, curve=member, prefix=prefix)
     proc = start_process(run_peer, (peer.to_raw(),), f"pdlab-{peer.name}")  # DRAM: no GPU
     return {peer.name: proc}

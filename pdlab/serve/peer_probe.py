@@ -35,6 +35,7 @@ class PeerSpec:
     ucx_tls: str
     name: str = PEER_NAME
     curve: Optional[dict] = None  # filled in by the agent, in memory
+    prefix: str = "pdlab-"  # the session's run prefix, filled in by the agent: names what the peer leaves in /tmp
 
     def to_raw(self) -> dict:
         return {**asdict(self), "shape": list(self.shape)}
@@ -81,7 +82,8 @@ def run_peer(raw: dict) -> None:
             # deferred: torch
             from pdlab.kv.nixl import NixlTransport
 
-            transport = NixlTransport(spec.name, f"pdlab-peer-{secrets.token_hex(3)}", ucx_tls=spec.ucx_tls)
+            # named with the session's prefix: the agent sweeps its UCX log folder even if it is killed
+            transport = NixlTransport(spec.name, f"{spec.prefix}peer-{secrets.token_hex(3)}", ucx_tls=spec.ucx_tls)
             transport.kv_alloc(spec.shape, torch.float32).copy_(pattern(spec.shape, 1))
             sock.send(m.encode(nm.ProbeReady(spec.name, transport.export())))
         except Exception as e:  # noqa: BLE001 - the doctor reports it

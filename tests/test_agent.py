@@ -121,11 +121,13 @@ def test_an_agent_whose_router_goes_away_stops_its_processes_and_waits_for_the_n
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
-    tmp = tmp_path / "tmp"  # the agent's temporary directory, where its peer's UCX log folder goes
-    tmp.mkdir()
+    import tempfile
+
+    tmp = tempfile.gettempdir()  # the agent's too: its peer's UCX log folder goes there (a deep TMPDIR would
+    # push the agent's own socket paths past the 107-byte limit)
     agent = subprocess.Popen([sys.executable, "-m", "pdlab.cli", "worker", "--join", address, "--devices", "cpu:0",
                               "--name", "b", "--insecure"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp)})
+                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT})
     ctx = zmq.Context()
 
     def router():

@@ -127,7 +127,8 @@ def test_an_agent_whose_router_goes_away_stops_its_processes_and_waits_for_the_n
     # push the agent's own socket paths past the 107-byte limit)
     agent = subprocess.Popen([sys.executable, "-m", "pdlab.cli", "worker", "--join", address, "--devices", "cpu:0",
                               "--name", "b", "--insecure"], cwd=tmp_path, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": ROOT})
+                             stderr=subprocess.STDOUT,  # UCX_LOG_FILE: set here by an earlier NIXL test
+                             env={**{k: v for k, v in os.environ.items() if k != "UCX_LOG_FILE"}, "PYTHONPATH": ROOT})
     ctx = zmq.Context()
 
     def router():

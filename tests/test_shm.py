@@ -58,6 +58,8 @@ def test_names_must_be_prefixed():
         shm.create(SHAPE, torch.float32, name="other-name")
     with pytest.raises(ValueError):
         shm.sweep("x")
+    with pytest.raises(ValueError):
+        shm.sweep(shm.PREFIX)  # every run's segments
 
 
 def test_sweep_removes_a_runs_segments_only():

@@ -140,10 +140,16 @@ def unlink_all() -> None:
         unlink(n)
 
 
+def _run_prefix(prefix: str) -> None:
+    """A sweep's prefix names one run: it starts with PREFIX and has more after it (the bare PREFIX would take
+    every run's segments and folders on this machine)."""
+    if not prefix.startswith(PREFIX) or len(prefix) <= len(PREFIX):
+        raise ValueError(f"sweep prefix must start with {PREFIX!r} and name one run")
+
+
 def sweep(prefix: str) -> list[str]:
     """Unlink every /dev/shm segment whose name starts with `prefix` (a run's own prefix). Returns them."""
-    if not prefix.startswith(PREFIX):
-        raise ValueError(f"sweep prefix must start with {PREFIX!r}")
+    _run_prefix(prefix)
     gone = []
     try:
         entries = os.listdir(SHM_DIR)
@@ -157,10 +163,8 @@ def sweep(prefix: str) -> list[str]:
 
 def sweep_tmp(prefix: str) -> list[str]:
     """Remove every folder in the temporary directory whose name starts with `prefix` (a run's own prefix): what
-    its workers made there (a UCX log folder, a tensor group's store) and left when killed. Returns them. The
-    prefix must name one run (more than the bare PREFIX), or every run's folders here would go."""
-    if not prefix.startswith(PREFIX) or len(prefix) <= len(PREFIX):
-        raise ValueError(f"sweep prefix must start with {PREFIX!r} and name one run")
+    its workers made there (a UCX log folder, a tensor group's store) and left when killed. Returns them."""
+    _run_prefix(prefix)
     root = tempfile.gettempdir()
     try:
         entries = os.listdir(root)

@@ -85,11 +85,12 @@ def figures(requests: list[dict], summary: dict) -> dict:
     out: dict = {}
     for v, vs in summary.get("variants", {}).items():
         for tag, rs in (vs.get("rates") or {}).items():
-            mine = [r for r in requests if r.get("variant") == v and rate_tag(float(r["rate"])) == tag
-                    and not r.get("warmup") and r.get("ok")]
+            sent = [r for r in requests if r.get("variant") == v and rate_tag(float(r["rate"])) == tag
+                    and not r.get("warmup")]
+            mine = [r for r in sent if r.get("ok")]
             ttft = [r["ttft"] * 1000 for r in mine]
             p99 = [float(np.percentile(r["itl"], 99)) * 1000 for r in mine if r.get("itl")]
-            duration = repeat_spans(mine)[1]
+            duration = repeat_spans(sent)[1]  # from each repeat's first arrival, as summarize_rate times it
             tok_s = sum(len(r["token_times"]) for r in mine) / duration if duration else None
             out.setdefault(v, {})[tag] = {"ttft_p50": _pct(ttft, 50), "ttft_p90": _pct(ttft, 90),
                                           "itl_p90": _pct(p99, 90), "attainment": rs.get("attainment"),

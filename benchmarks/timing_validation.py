@@ -1,7 +1,7 @@
 """Held-out validation of the timing model (issue 25, item 5): measure a profile of this box, then run three
 recipes it was never fitted on for real and in the simulator, and set the figures side by side.
 
-    python benchmarks/timing_validation.py --out runs/timing-validation            # ~14 min on 2 cores
+    python benchmarks/timing_validation.py --out runs/timing-validation            # ~16 min on 2 cores
     python benchmarks/timing_validation.py --out DIR --profile box.yaml            # an existing profile
     python benchmarks/timing_validation.py --out DIR --requests 16 --repeats 1 --no-again   # ~3 min, rough
 
@@ -24,7 +24,14 @@ skips it), and the two real runs are held to the same targets against each other
 reproducibility, the floor under any forecast's miss at this many requests. It is why the default is 48
 requests a rate, twice: at 16 once, a real run met the targets against itself in 20 of 24 ITL p90 cells, at 24
 twice in 22-23 (BENCHMARKS.md). A ranking that differs only between deployments within the target of each other on both
-sides (a tie) is counted apart. DIR/validation.json keeps every figure; the runs stay in DIR for pdlab compare.
+sides (a tie) is counted apart.
+
+A point forecast cannot know how fast the box will be minutes later. With --calibrate (the default) one more
+recipe, of a length mix of its own, runs for real right after the profile, and its workers' pace against the
+profile goes into the profile's drift (pdlab profile --check --write-drift); every forecast then carries a
+band, the recipe simulated with every worker at the slow and the fast end of that drift (pdlab.sim.band), and
+each real figure is counted inside the band and within its target of it. The held-out runs never feed the
+profile. DIR/validation.json keeps every figure; the runs stay in DIR for pdlab compare.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -41,7 +49,8 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from pdlab.timing.replay import TARGETS, compare, figures as replay_figures, table, within  # noqa: E402
+from pdlab.timing.replay import (TARGETS, compare, covered, figures as replay_figures, inside, table,  # noqa: E402
+                                 within)
 
 RATE_FRACTIONS = (0.5, 0.9, 1.3)  # of the simulated saturation rate; saturation itself (inf) is run too
 SLO_X = {"ttft": 4.0, "itl": 10.0}  # of the simulated one-request TTFT and ITL
@@ -64,8 +73,15 @@ RECIPES = {
 }
 
 
+# the calibration run (--calibrate): a length mix of its own, run once for real before the held-out recipes; its
+# workers' pace against the profile becomes the profile's drift (pdlab profile --check --write-drift), which
+# gives each forecast its band (pdlab.sim.band); the held-out runs never feed the profile
+CALIBRATION = ({"input_len": {"kind": "uniform", "min": 200, "max": 1000},
+                "output_len": {"kind": "uniform", "min": 24, "max": 128}}, {}, "pull")
+
+
 def base_recipe(name: str, requests: int, repeats: int) -> dict:
-    lengths, engine, mode = RECIPES[name]
+    lengths, engine, mode = CALIBRATION if name == "calibration" else RECIPES[name]
     return {"name": f"tv-{name}", "seed": 7, "warmup": 1, "repeats": repeats,
             "model": {"preset": "cpu-demo"},
             "engine": {"block_size": 16, "kv_blocks": "auto", "max_running": 32, "prefix_caching": False, **engine},
@@ -115,10 +131,32 @@ def figures(run_dir: str) -> dict:
     return replay_figures(r.requests, r.summary)
 
 
-def render(name: str, cmp: dict, check: str, paced: dict | None, again: dict | None = None) -> None:
+def band_lines(rows: list[dict]) -> list[str]:
+    """Each real figure against the forecast's band: 'real in lo-hi', + where inside, ~ within the target of it,
+    ! beyond."""
+    def one(x: dict, digits: int) -> str:
+        if x["lo"] is None:
+            return "-"
+        mark = "+" if x["inside"] else "~" if x["ok"] else "!"
+        return f"{x['real']:.{digits}f} in {x['lo']:.{digits}f}-{x['hi']:.{digits}f} {mark}"
+
+    out = []
+    for r in rows:
+        out.append(f"{r['variant'] + ' @ ' + r['rate']:28} {one(r['ttft_p50'], 0):>22} {one(r['ttft_p90'], 0):>22} "
+                   f"{one(r['itl_p90'], 1):>22} {one(r['attainment'], 2):>22}"
+                   + (f"  saturation {one(r['saturation'], 0)}" if "saturation" in r else ""))
+    return out
+
+
+def render(name: str, cmp: dict, check: str, paced: dict | None, again: dict | None = None,
+           band: list[dict] | None = None) -> None:
     print(f"\n{name}: real / simulated and the error (! beyond the target)")
     for line in table(cmp):
         print(f"  {line}")
+    if band:
+        print("  the real run against the forecast's band (the profile's drift; + inside, ~ within the target of it):")
+        for line in band_lines(band):
+            print(f"    {line}")
     for line in check.splitlines():
         print(f"  {line}")
     if paced:
@@ -172,6 +210,10 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=48, help="requests per rate (default 48)")
     ap.add_argument("--repeats", type=int, default=2, help="repeats of each rate (default 2)")
     ap.add_argument("--recipes", default=",".join(RECIPES), help=f"which of {', '.join(RECIPES)}")
+    ap.add_argument("--calibrate", action=argparse.BooleanOptionalAction, default=True,
+                    help="run a calibration recipe of its own length mix once, for real, and write its pace into the "
+                         "profile's drift (pdlab profile --check --write-drift), so each forecast has a band "
+                         "(default: on; a given --profile is copied into --out first)")
     ap.add_argument("--again", action=argparse.BooleanOptionalAction, default=True,
                     help="run each real recipe twice and hold the two real runs to the targets against each other "
                          "(default: on)")
@@ -186,12 +228,25 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     py = [sys.executable, "-m", "pdlab.cli"]
     t0 = time.monotonic()
-    profile = os.path.abspath(args.profile or os.path.join(args.out, "box.yaml"))
-    if not args.profile:
+    profile = os.path.abspath(os.path.join(args.out, "box.yaml"))
+    if args.profile:
+        shutil.copyfile(args.profile, profile)  # the calibration writes into it: never into the one given
+    else:
         print(f"measuring the profile ({args.steps} steps) ...", flush=True)
         print(run(py + ["profile", "--model", "cpu-demo", "--steps", str(args.steps), "--out", profile],
                   os.path.join(args.out, "profile.log")))
-    results = {"profile": profile, "targets": TARGETS, "recipes": {}}
+    results = {"profile": profile, "given_profile": args.profile, "targets": TARGETS, "recipes": {}}
+    if args.calibrate:
+        print("calibration: one real run of its own length mix, its pace into the profile's drift", flush=True)
+        raw = plan_rates(base_recipe("calibration", args.requests // 2, 1), profile)
+        path, cal = os.path.join(args.out, "calibration.yaml"), os.path.join(args.out, "calibration-real")
+        with open(path, "w") as f:
+            yaml.safe_dump(raw, f, sort_keys=False)
+        run(py + ["run", path, "--out", cal], os.path.join(args.out, "calibration-real.log"))
+        out = run(py + ["profile", "--check", cal, "--profile", profile, "--write-drift"],
+                  os.path.join(args.out, "calibration-check.log"))
+        results["calibration"] = {"recipe": raw, "drift": out.strip().splitlines()[-1]}
+        print(f"  {results['calibration']['drift']}")
     for name in names:
         print(f"{name}: planning rates from the profile's simulation", flush=True)
         raw = plan_rates(base_recipe(name, args.requests, args.repeats), profile)
@@ -210,13 +265,19 @@ def main() -> int:
         again = compare(figures(real), figures(real2)) if args.again else None
         cmp = compare(figures(real), figures(sim))
         paced = replayed(real, profile)
+        fb = json.load(open(os.path.join(sim, "summary.json"))).get("forecast_band")
+        band = covered(figures(real), fb) if fb else None
         results["recipes"][name] = {"recipe": raw, "comparison": cmp, "check": check, "replay": paced,
-                                    "again": again}
-        render(name, cmp, check, paced, again)
+                                    "again": again, "band": fb, "band_rows": band}
+        render(name, cmp, check, paced, again, band)
     recs = results["recipes"].values()
     results.update(tally([r for x in recs for r in x["comparison"]["rows"]], [x["comparison"] for x in recs]))
     results["replay_met"] = tally([r for x in recs for r in x["replay"]["comparison"]["rows"]],
                                   [x["replay"]["comparison"] for x in recs])
+    band_rows = [r for x in recs for r in (x["band_rows"] or [])]
+    if band_rows:
+        results["band_met"] = {k: {"within": a, "of": b} for k, (a, b) in within(band_rows).items()}
+        results["band_inside"] = {k: {"within": a, "of": b} for k, (a, b) in inside(band_rows).items()}
     if args.again:
         results["again_met"] = tally([r for x in recs for r in x["again"]["rows"]], [x["again"] for x in recs])
     results["took_s"] = time.monotonic() - t0
@@ -227,6 +288,10 @@ def main() -> int:
     say_tally("within target, replayed at each run's own pace", results["replay_met"])
     if args.again:
         say_tally("within target, the real run against itself run again", results["again_met"])
+    if band_rows:
+        for what, key in (("within the target of the forecast's band", "band_met"),
+                          ("inside the forecast's band", "band_inside")):
+            print(f"{what}: " + ", ".join(f"{k} {m['within']}/{m['of']}" for k, m in results[key].items()))
     print(f"{time.monotonic() - t0:.0f} s; wrote {os.path.join(args.out, 'validation.json')}")
     return 0
 

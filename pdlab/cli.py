@@ -197,6 +197,10 @@ def profile(
     write_host: bool = typer.Option(False, "--write-host",
                                     help="With --check and --profile FILE: write the run's host time and "
                                          "contention into it"),
+    write_drift: bool = typer.Option(False, "--write-drift",
+                                     help="With --check and --profile FILE: add the run's pace against the profile "
+                                          "(each worker's, rate by rate) to its drift, which gives a simulation a "
+                                          "band (run --simulate)"),
     replay: bool = typer.Option(False, "--replay",
                                 help="With --check: also simulate the run with the profile at the run's own pace "
                                      "(its steps' measured / predicted time) and set its TTFT, ITL, attainment "
@@ -207,7 +211,7 @@ def profile(
     from pdlab.commands.profile import check as check_run, main
 
     if check is not None:
-        raise typer.Exit(check_run(check, profile_, write_host, replay))
+        raise typer.Exit(check_run(check, profile_, write_host, replay, write_drift))
     raise typer.Exit(main(model, device, dtype, out, steps, seed, threads, cores=cores, host=not no_host,
                           replay=replay))
 

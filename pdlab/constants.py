@@ -124,6 +124,13 @@ COLD_AFTER_MS = 20.0
 # the quantiles of measured / predicted there, over their median; the simulator draws each decode step from
 # them. Dense in the tail, where a request's p99 ITL takes its steps from.
 SPREAD_LEVELS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99)
+# A profile's drift (pdlab.timing.drift): each worker's pace against the profile in each rate and repeat of the
+# runs checked with `pdlab profile --check RUN --write-drift`. A simulation from it gives a band (pdlab.sim.band):
+# the recipe again with every worker at the pace at each of DRIFT_LEVELS; fewer than DRIFT_MIN_FACTORS paces give
+# none, and a profile keeps the DRIFT_KEEP latest.
+DRIFT_LEVELS = (0.05, 0.95)
+DRIFT_MIN_FACTORS = 4
+DRIFT_KEEP = 256
 PACE_DRIFT = 0.1  # a run's pace this far from its profile's (pdlab.timing.pace) is named in profile-check warnings
 PROFILE_MIN_R2 = 0.9  # pdlab profile: held-out R^2 (overall or of a kind) below this
 PROFILE_MAX_P90_PCT = 25.0  # pdlab profile: held-out p90 percentage error above this

@@ -387,12 +387,22 @@ def test_write_host_puts_a_runs_host_time_into_the_profile(tmp_path, capsys):
         kv_bytes_per_token=512, kv_memory_gb=1.0, transfer={}), header="measured by hand")
     checks = {"timed": {"modelled": True, "host": {"gap_ms": 9.0, "hop_ms": 9.0}},
               "real": {"modelled": False, "host": {"gap_ms": 1.5, "hop_ms": 2.5, "handoff_ms": None}}}
-    assert _write_host(checks, load_profile(path), path) == 0
+    assert _write_host(checks, path) == 0
     t = load_profile(path)
     assert t.host == HostTiming(gap_ms=1.5, hop_ms=2.5, handoff_ms=2.5)  # the real variant's; no hand-over: the hop
     assert open(path).read().startswith("# measured by hand\n") and t.step == STEP
-    assert _write_host({"timed": checks["timed"]}, load_profile(path), path) == 2  # timed steps are the model's
+    assert _write_host({"timed": checks["timed"]}, path) == 2  # timed steps are the model's
     assert "no variant of this run ran its model" in capsys.readouterr().err
+    # a unified variant measures no hand-over: a disaggregated one beside it gives it, and the profile keeps
+    # what neither measured; contention fills in across variants too
+    checks = {"unified": {"modelled": False, "host": {"gap_ms": 0.5, "hop_ms": 0.7, "handoff_ms": None},
+                          "contention": {"prefill_x": 1.1}},
+              "1P1D": {"modelled": False, "host": {"gap_ms": 0.9, "hop_ms": 0.4, "handoff_ms": 1.6},
+                       "contention": {"prefill_x": 1.3, "cold_ms": 2.0}}}
+    assert _write_host(checks, path) == 0
+    t = load_profile(path)
+    assert (t.host.gap_ms, t.host.hop_ms, t.host.handoff_ms) == (0.5, 0.7, 1.6)
+    assert (t.contention.prefill_x, t.contention.cold_ms) == (1.1, 2.0)
 
 
 @pytest.mark.slow

@@ -144,12 +144,17 @@ def _header(model: str, device: str, dtype: str, steps: int, seed: int, res: dic
             "transfer: latency + bytes / bandwidth fitted to pdlab.kv.probe hand-overs (best of 10).")
 
 
-def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False, replay: bool = False) -> int:
-    """`pdlab profile --check RUN_DIR [--profile P] [--write-host] [--replay]`."""
+def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False, replay: bool = False,
+          write_drift: bool = False) -> int:
+    """`pdlab profile --check RUN_DIR [--profile P] [--write-host] [--write-drift] [--replay]`. With both writes
+    the host time goes first and the drift is read against the profile it leaves."""
     from pdlab.measure.records import RunDirError, load_run
     from pdlab.recipe import RecipeError, load_profile, parse_recipe
     from pdlab.timing.check import CheckError, check_run, lines
 
+    if (write_host or write_drift) and profile is None:
+        flag = "--write-host" if write_host else "--write-drift"
+        return _err(f"{flag} needs --profile FILE: the profile to write the run's figures into")
     try:
         run = load_run(run_dir)
         given = load_profile(profile, "--profile") if profile else None
@@ -179,8 +184,10 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
         code = _replay(run, given, checks)
         if code:
             return code
-    if write_host:
-        return _write_host(checks, given, profile)
+    if write_host and (code := _write_host(checks, profile)):
+        return code
+    if write_drift:
+        return _write_drift(run, checks, profile)
     return 0
 
 
@@ -209,30 +216,66 @@ def _replay(run: object, given: object, checks: dict) -> int:
     return 0
 
 
-def _write_host(checks: dict, given: object, path: Optional[str]) -> int:
-    """The host time this run measured, into the profile file checked (--profile)."""
-    import yaml
-
-    from pdlab.recipe.timing import profile_path
+def _write_host(checks: dict, path: str) -> int:
+    """The host time this run measured, into the profile file checked (--profile): each figure from the first
+    variant that measured it (a unified one has no hand-over: a disaggregated one gives that), the contention
+    from the first that has it, filled in from the others."""
     from pdlab.timing.contention import describe
-    from pdlab.timing.host import host_raw
-    from pdlab.timing.write import write_profile
+    from pdlab.timing.host import FIGURES
 
-    if given is None or path is None:
-        return _err("--write-host needs --profile FILE: the profile to write the run's host time into")
-    check = next((c for c in checks.values() if not c["modelled"] and c["host"].get("gap_ms") is not None), None)
-    if check is None:
+    ran = [c for c in checks.values() if not c["modelled"] and c["host"].get("gap_ms") is not None]
+    if not ran:
         return _err("--write-host: no variant of this run ran its model and measured host time")
-    est, contention = check["host"], check.get("contention")
-    file = profile_path(path)
-    with open(file) as f:
-        text = f.read()
-    raw = yaml.safe_load(text)
-    raw["host"] = {**(raw.get("host") or {}), **host_raw(est)}
+    est = {k: next((c["host"][k] for c in ran if c["host"].get(k) is not None), None) for k in FIGURES}
+    contention: dict = {}
+    for c in ran:
+        contention = {**(c.get("contention") or {}), **contention}
+    raw, file, head = _read_profile(path)
+    raw["host"] = {**(raw.get("host") or {}), **{k: v for k, v in est.items() if v is not None}}
+    if "handoff_ms" not in raw["host"] and "hop_ms" in raw["host"]:
+        raw["host"]["handoff_ms"] = raw["host"]["hop_ms"]  # as pdlab.timing.host.host_raw: a hand-over is a hop
     if contention:  # pdlab.timing.contention: what the run's workers cost each other and after idling
         raw["contention"] = {**(raw.get("contention") or {}), **contention}
-    head = "".join(ln[2:] + "\n" for ln in text.splitlines() if ln.startswith("# "))
-    write_profile(file, raw, head)
+    _write(file, raw, head)
     print(f"wrote the run's host time into {file}: {raw['host']}"
           + (f"; its contention: {describe(raw['contention'])}" if contention else ""))
     return 0
+
+
+def _write_drift(run: object, checks: dict, path: str) -> int:
+    """The run's pace against the profile file checked (--profile), added to its drift (pdlab.timing.drift)."""
+    from pdlab.recipe import RecipeError, load_profile
+    from pdlab.timing.drift import checked_variants, describe, merged, run_factors
+
+    try:
+        profile = load_profile(path, "--profile")  # as it stands: after --write-host, with the run's host time
+    except RecipeError as e:
+        return _err(str(e))
+    factors = run_factors(profile, run.steps, checked_variants(checks))  # type: ignore[attr-defined]
+    if not factors:
+        return _err("--write-drift: no variant of this run ran its model and took steps to read its pace from")
+    drift = merged(profile.drift, factors)
+    raw, file, head = _read_profile(path)
+    raw["drift"] = drift.to_raw()
+    _write(file, raw, head)
+    print(f"wrote the run's pace into {file}'s drift: {len(factors)} paces (each worker's, rate by rate), "
+          f"x{min(factors):.2f}-{max(factors):.2f}; its drift now {describe(drift)}")
+    return 0
+
+
+def _read_profile(path: str) -> tuple[dict, str, str]:
+    """(the profile file's plain data, its path, its header comment)."""
+    import yaml
+
+    from pdlab.recipe.timing import profile_path
+
+    file = profile_path(path)
+    with open(file) as f:
+        text = f.read()
+    return yaml.safe_load(text), file, "".join(ln[2:] + "\n" for ln in text.splitlines() if ln.startswith("# "))
+
+
+def _write(file: str, raw: dict, head: str) -> None:
+    from pdlab.timing.write import write_profile
+
+    write_profile(file, raw, head)

@@ -138,6 +138,7 @@ def _simulate(recipe: object, workloads: dict, path: str) -> int:
     """The recipe in virtual time: the same run directory, every figure labelled simulated."""
     # deferred: numpy, torch
     from pdlab.measure.finish import finalize
+    from pdlab.sim.band import forecast_band, lines as band_lines
     from pdlab.sim.experiment import simulate_recipe
 
     rd = RunDir(path)
@@ -148,7 +149,11 @@ def _simulate(recipe: object, workloads: dict, path: str) -> int:
     result = simulate_recipe(recipe, workloads, progress=lambda v: print(f"{v}: simulated", flush=True))
     for kind in ("requests", "steps", "transfers"):
         rd.append(kind, getattr(result, kind))
-    finalize(rd, result.slo, grid={v: result.recipe.rates for v in recipe.variant_names}, **result.facts)
+    band = forecast_band(result.recipe, result.slo, workloads)  # from the profiles' drift, where they have one
+    finalize(rd, result.slo, grid={v: result.recipe.rates for v in recipe.variant_names}, forecast_band=band,
+             **result.facts)
     _print_table(path)
+    for line in band_lines(band, result.recipe):
+        print(line)
     print(path)
     return 0

@@ -146,7 +146,8 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                   modelled: Optional[dict[str, str]] = None, expect: Any = None,
                   run: Optional[dict] = None, trace: Optional[dict[str, dict]] = None,
                   kernels: Optional[dict[str, dict]] = None,
-                  rates_resolved: Optional[dict[str, float]] = None, profile_check: Optional[dict] = None) -> dict:
+                  rates_resolved: Optional[dict[str, float]] = None, profile_check: Optional[dict] = None,
+                  forecast_band: Optional[dict] = None) -> dict:
     """The summary of a run. `grid`: variant -> planned rates or "auto" (variants in run order; one that has no
     records is listed with `ran: false`); default: the variants found in the records. `alone`: the
     calibration ({ttft_ms, itl_ms, ...}); `relative`: the SLO multipliers it resolved; `floors`: (variant,
@@ -154,7 +155,7 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
     `alone_by_variant`: one request alone on each variant's own deployment, the D of its M/D/1 check
     (default: the calibration's); `modelled`: variant -> which timing model its times come from (its
     times are then not the hardware's); `expect`: the recipe's expectation of this box (pdlab.recipe.Expect:
-    alone_ttft_ms, tolerance); `run`: what ran (`run_info`)."""
+    alone_ttft_ms, tolerance); `run`: what ran (`run_info`); `forecast_band`: a simulation's band (pdlab.sim.band)."""
     rq, st, tr = _by(requests), _by(steps), _by(transfers)
     names = list(grid) if grid is not None else list(dict.fromkeys(v for v, _, _ in rq))
     alone_s = alone["ttft_ms"] / 1000.0 if alone and alone.get("ttft_ms") else None
@@ -233,7 +234,10 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
             "rates_resolved": dict(rates_resolved or {}),
             # each variant's steps against the timing profile its recipe names (pdlab.timing.check): per kind of
             # step MAPE and measured/predicted, host time; `lines`: what the run printed last
-            "profile_check": dict(profile_check or {})}
+            "profile_check": dict(profile_check or {}),
+            # a simulation from a profile checked against runs: its figures with every worker at the slow and
+            # the fast end of the box's drift against the profile (pdlab.sim.band); None otherwise
+            "forecast_band": forecast_band}
 
 
 def _nixl_over_tcp(transfers: list[dict]) -> list[str]:

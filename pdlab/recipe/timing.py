@@ -29,7 +29,8 @@ A profile file is YAML, readable without pdlab: `name`, `source` (measured | ana
 may use on the modelled device), `transfer` ({transport: {gbps, latency_ms}}), `host` (a worker's own time
 between steps and the message hops: the simulator adds them), and, when measured, `kernels` (the CPU kernels
 the measured steps ran, pdlab.engine.kernel_check), `pace_ms` (the box's pace then, pdlab.timing.pace) and
-`fit` (how well the step model fits held-out steps).
+`fit` (how well the step model fits held-out steps); once checked against runs, `drift` (the box's pace against
+the profile in them, pdlab.timing.drift: a simulation's band, pdlab.sim.band).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from typing import Any, Optional
 import numpy as np
 import yaml
 
-from pdlab.constants import SPREAD_LEVELS, TRANSPORTS
+from pdlab.constants import DRIFT_LEVELS, DRIFT_MIN_FACTORS, SPREAD_LEVELS, TRANSPORTS
 from pdlab.fields import RecipeError, Section, did_you_mean, optional, plain, section, spec, to_float, to_int, to_text
 
 MS = "a number of milliseconds >= 0"
@@ -225,6 +226,38 @@ def _transfers(v: Any, key: str) -> tuple[tuple[str, TransferTiming], ...]:
     return tuple(out)
 
 
+def _factors(v: Any) -> tuple[float, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)):
+        raise ValueError
+    return tuple(_factor(x) for x in v)
+
+
+@dataclass(frozen=True)
+class Drift(Section):
+    """How far the box's pace strayed from the profile in the runs checked against it (pdlab.timing.drift):
+    `factors`, each a worker's steps in one rate and repeat of a run over the profile's prediction for them (in
+    their context: the contention the profile models), as the replay reads them (pdlab.timing.replay); `runs`,
+    how many runs gave them. The profile's own steps say nothing of this: they were measured in a minute or two,
+    and a shared box drifts over minutes (x0.92-1.23 in whole runs on the developers' VM, BENCHMARKS.md).
+    `band()` is the simulator's band (pdlab.sim.band)."""
+
+    factors: tuple[float, ...] = spec((), "a list of numbers > 0 (a worker's steps over the profile's prediction in "
+                                          "one rate and repeat of a run)", _factors)
+    runs: int = spec(0, "an integer >= 0 (runs the factors came from)", to_int(0))
+
+    def band(self) -> Optional[tuple[float, float]]:
+        """The factors' quantiles at constants.DRIFT_LEVELS; None with fewer than DRIFT_MIN_FACTORS."""
+        if len(self.factors) < DRIFT_MIN_FACTORS:
+            return None
+        lo, hi = (float(q) for q in np.quantile(np.asarray(self.factors), DRIFT_LEVELS))
+        return lo, hi
+
+    def to_raw(self) -> dict:
+        return {"factors": list(self.factors), "runs": self.runs} if self.factors else {}
+
+
 @dataclass(frozen=True, kw_only=True)
 class TimingProfile(Section):
     """A timing model: the step time, and the KV and transfer figures a timed run needs."""
@@ -250,6 +283,8 @@ class TimingProfile(Section):
                             parse=section(HostTiming))
     contention: ContentionTiming = spec(ContentionTiming(), "a shared host's cost beyond the step model "
                                         f"({', '.join(ContentionTiming.keys())})", parse=section(ContentionTiming))
+    drift: Drift = spec(Drift(), "the box's pace against the profile in runs checked with it (factors, runs)",
+                        parse=section(Drift))
     # kernel -> {use, why, kernel_ms, torch_ms}: the CPU kernels the measured steps ran (pdlab.engine.kernel_check)
     kernels: Optional[dict] = spec(None, "a mapping kernel -> its choice (which CPU kernels the steps ran)",
                                    lambda v: _mapping(v))

@@ -166,6 +166,36 @@ def within(rows: list[dict]) -> dict[str, tuple[int, int]]:
     return {k: (sum(r[k]["ok"] for r in rows if k in r), sum(k in r for r in rows)) for k in TARGETS}
 
 
+def covered(real: dict, band: dict) -> list[dict]:
+    """Each figure of `real` (figures: variant -> rate tag -> figure) against a forecast's band (pdlab.sim.band:
+    its `lo` and `hi` figures): rows as compare's, each figure {real, lo, hi, inside: within the band, ok: within
+    its target of some value in the band (the band widened by the target: relative for the latencies and the
+    saturation throughput, absolute for attainment)}. Only variants the band has."""
+    rows = []
+    for v in band.get("variants", {}):
+        for tag, a in real.get(v, {}).items():
+            ends = [band[e].get(v, {}).get(tag, {}) for e in ("lo", "hi")]
+            row: dict[str, Any] = {"variant": v, "rate": tag}
+            keys = [(k, k) for k in LATENCIES + ("attainment",)] + ([("saturation", "output_tok_s")]
+                                                                    if tag == "inf" else [])
+            for k, f in keys:
+                x, pair = a.get(f), [e.get(f) for e in ends]
+                if x is None or None in pair:
+                    row[k] = {"real": x, "lo": None, "hi": None, "inside": False, "ok": False}
+                    continue
+                lo, hi = sorted(pair)
+                tol = TARGETS[k] if k == "attainment" else TARGETS[k] * abs(x)
+                row[k] = {"real": x, "lo": lo, "hi": hi, "inside": lo <= x <= hi,
+                          "ok": lo - tol <= x <= hi + tol}
+            rows.append(row)
+    return rows
+
+
+def inside(rows: list[dict]) -> dict[str, tuple[int, int]]:
+    """figure -> (rows whose real figure lies within the band itself, rows with the figure)."""
+    return {k: (sum(r[k]["inside"] for r in rows if k in r), sum(k in r for r in rows)) for k in TARGETS}
+
+
 def cell(x: dict, digits: int = 0, absolute: bool = False) -> str:
     """'real / sim error' with a ! where the target is missed; the error relative (%) or absolute."""
     if x["real"] is None:

@@ -1,0 +1,111 @@
+"""A forecast's band: the recipe simulated again with every worker at the slow and at the fast end of the box's
+drift against its profile (the profile's `drift`, pdlab.timing.drift), at the rates and SLO the forecast
+resolved, so that a forecast says how far the box's pace alone moves each figure.
+
+Why: a forecast steps every worker at the profile's pace, and a shared box does not keep it: on the developers'
+2-core VM a forecast met every target against one run and missed 6 of 108 against the next, while the replay of
+that run at its own pace met them (BENCHMARKS.md, issue 25). The band is what the runs the profile was checked
+against say about that drift; a profile checked against none gives none.
+
+How: in each variant whose profile has a band, every worker steps at the band's factor
+(pdlab.sim.pace.WorkerPace: the step model with the profile's contention, times the factor), as the replay
+steps a run's workers at their own pace, so the factors mean what they meant when they were read; the main
+process's share of the workers' cores is not added again (the factors hold it, as the replay's paces do).
+Gaps, hops and transfers are the profile's. The figures are the replay's and the validation's
+(pdlab.timing.replay.figures): TTFT p50 and p90, the p90 over requests of each request's p99 ITL, attainment,
+and output throughput at saturation (rate inf); and, where a variant searched its rates, its goodput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any, Optional
+
+from pdlab.constants import DRIFT_LEVELS
+from pdlab.recipe import SLO, Recipe
+from pdlab.sim.pace import WorkerPace
+
+
+def bands(recipe: Recipe) -> dict[str, tuple[float, float]]:
+    """variant -> its profile's band (lo, hi), for the variants whose profile has one."""
+    out = {}
+    for name, v in recipe.variants.items():
+        timing = v.model.timing
+        band = timing.drift.band() if timing is not None else None
+        if band is not None:
+            out[name] = band
+    return out
+
+
+def at_pace(recipe: Recipe, slo: SLO, variants: dict[str, float]) -> tuple[Recipe, dict[str, dict[str, WorkerPace]]]:
+    """The recipe of `variants` (name -> factor) with `slo` fixed and the main process's share left to the
+    factors; each of their workers' pace."""
+    chosen = {}
+    for name, factor in variants.items():
+        v = recipe.variants[name]
+        timing = v.model.timing.replace(contention=v.model.timing.contention.replace(main_step_ms=0.0))
+        chosen[name] = replace(v, slo=slo, model=v.model.replace(timing=timing))
+    fixed = replace(recipe, shared=recipe.shared.replace(slo=slo), variants=chosen)
+    paces = {n: {w.name: WorkerPace(f) for w in recipe.variants[n].deployment.workers} for n, f in variants.items()}
+    return fixed, paces
+
+
+def forecast_band(recipe: Recipe, slo: SLO, workloads: dict[str, Any]) -> Optional[dict]:
+    """{levels, variants: name -> {pace: [lo, hi], paces, runs}, lo, hi: figures at each end (variant -> rate tag ->
+    figure), goodput: {lo, hi}: variant -> goodput where searched}; None where no variant's profile has a band.
+    `recipe`: as the forecast resolved it (absolute rates); `slo`: the absolute SLO it resolved."""
+    from pdlab.measure.summary import summarize_run
+    from pdlab.sim.experiment import simulate_recipe
+    from pdlab.timing.replay import figures
+
+    found = bands(recipe)
+    if not found:
+        return None
+    out: dict = {"levels": list(DRIFT_LEVELS),
+                 "variants": {n: {"pace": list(b), "paces": len(recipe.variants[n].model.timing.drift.factors),
+                                  "runs": recipe.variants[n].model.timing.drift.runs} for n, b in found.items()},
+                 "goodput": {}}
+    for end, i in (("lo", 0), ("hi", 1)):
+        fixed, paces = at_pace(recipe, slo, {n: b[i] for n, b in found.items()})
+        res = simulate_recipe(fixed, workloads, paces=paces)
+        s = summarize_run(res.requests, res.steps, res.transfers, slo, grid={n: fixed.variants[n].rates
+                                                                           for n in fixed.variants}, **res.facts)
+        out[end] = figures(res.requests, s)
+        out["goodput"][end] = {n: (vs.get("goodput") or {}).get("mean") for n, vs in s["variants"].items()
+                               if vs.get("mode") == "search"}
+    return out
+
+
+def _span(a: Optional[float], b: Optional[float], digits: int) -> str:
+    if a is None or b is None:
+        return "-"
+    lo, hi = sorted((a, b))
+    return f"{lo:.{digits}f}-{hi:.{digits}f}"
+
+
+def lines(band: Optional[dict], recipe: Recipe) -> list[str]:
+    """What a simulation prints of its band; without one, a line naming the measured profiles that have none."""
+    from pdlab.timing.drift import describe
+
+    if band is None:
+        missing = sorted({v.model.timing.name for v in recipe.variants.values()
+                          if v.model.timing is not None and v.model.timing.source == "measured"})
+        return [f"no forecast band: profile {', '.join(missing)} has no drift yet (the box's pace against it in a "
+                "real run: pdlab profile --check RUN --profile FILE --write-drift)"] if missing else []
+    out = ["forecast band (simulated, not measured): each variant again with every worker at the slow and the fast "
+           "end of the box's drift against its profile (" +
+           "; ".join(f"{n}: {describe(recipe.variants[n].model.timing.drift)}" for n in band["variants"]) + ")"]
+    lo, hi = band["lo"], band["hi"]
+    for v in band["variants"]:
+        for tag, a in lo.get(v, {}).items():
+            b = hi.get(v, {}).get(tag, {})
+            out.append(f"  {v} @ {tag} req/s: TTFT p50 {_span(a['ttft_p50'], b.get('ttft_p50'), 0)} ms, "
+                       f"p90 {_span(a['ttft_p90'], b.get('ttft_p90'), 0)} ms; p99 ITL p90 "
+                       f"{_span(a['itl_p90'], b.get('itl_p90'), 1)} ms; attainment "
+                       f"{_span(a['attainment'], b.get('attainment'), 2)}"
+                       + (f"; output {_span(a['output_tok_s'], b.get('output_tok_s'), 0)} tok/s" if tag == "inf"
+                          else ""))
+        g = [band["goodput"][e].get(v) for e in ("lo", "hi")]
+        if all(x is not None for x in g):
+            out.append(f"  {v}: goodput {_span(g[0], g[1], 2)} req/s")
+    return out

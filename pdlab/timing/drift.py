@@ -1,0 +1,53 @@
+"""A profile's drift: the box's pace against the profile in the runs checked with it, kept in the profile file
+(`pdlab profile --check RUN --profile FILE --write-drift`) for a simulation's band (pdlab.sim.band).
+
+Why: a forecast steps every worker at the profile's pace, and a shared box does not keep one. On the developers'
+2-core VM, across 18 validation runs, whole runs' workers stepped x0.92-1.23 their profile's prediction (median
+x1.09), and single rates x0.83-1.33 (BENCHMARKS.md, issue 25); the profile, measured in a minute or two before
+them, held its own steps to 6%. No point forecast can know that; a band can say how far it alone moves one.
+
+A factor is one worker's steps in one rate and repeat of a run, measured over predicted, predicted as the
+simulator would step them in their own context (the step model with the profile's contention), exactly as
+the replay reads a worker's pace (pdlab.timing.replay.worker_paces): what the profile leaves unexplained.
+The profile keeps the latest constants.DRIFT_KEEP of them and how many runs gave them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdlab.constants import DRIFT_KEEP, DRIFT_LEVELS, DRIFT_MIN_FACTORS
+from pdlab.recipe.timing import Drift, TimingProfile
+from pdlab.timing.replay import worker_paces
+
+
+def run_factors(profile: TimingProfile, steps: list[dict], variants: list[str]) -> list[float]:
+    """Each worker's pace in each rate and repeat of `variants` (those of a run that ran their model) in the
+    run's step records, against `profile`; warm-up steps left out."""
+    out: list[float] = []
+    for v in variants:
+        for pace in worker_paces(profile, [s for s in steps if s.get("variant") == v]).values():
+            out += [f for _, _, f in pace.by_run]
+    return out
+
+
+def merged(drift: Drift, factors: list[float]) -> Drift:
+    """`drift` with one more run's factors (the latest DRIFT_KEEP kept)."""
+    return drift.replace(factors=tuple((list(drift.factors) + [round(f, 4) for f in factors])[-DRIFT_KEEP:]),
+                         runs=drift.runs + 1)
+
+
+def describe(drift: Drift) -> str:
+    """'x0.96-1.19 (5-95% of 32 paces from 1 run)', or what is missing."""
+    band = drift.band()
+    if band is None:
+        return (f"no band: {len(drift.factors)} paces, {DRIFT_MIN_FACTORS} needed (pdlab profile --check RUN "
+                "--profile FILE --write-drift)")
+    lo, hi = (f"{100 * q:g}" for q in DRIFT_LEVELS)
+    return (f"x{band[0]:.2f}-{band[1]:.2f} ({lo}-{hi}% of {len(drift.factors)} paces from {drift.runs} "
+            f"run{'s' if drift.runs != 1 else ''})")
+
+
+def checked_variants(checks: dict[str, Any]) -> list[str]:
+    """The variants of a profile check (pdlab.timing.check.check_run) that ran their model."""
+    return [v for v, c in checks.items() if not c["modelled"]]

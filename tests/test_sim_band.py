@@ -1,0 +1,121 @@
+"""A forecast's band (pdlab.sim.band) from its profile's drift (pdlab.timing.drift, `pdlab profile --check RUN
+--write-drift`): each worker's pace against the profile in each rate of a checked run, kept in the profile; a
+simulation from it runs again with every worker at the slow and the fast end, and a later run's figures are held
+against that band (pdlab.timing.replay.covered)."""
+
+import pytest
+import yaml
+
+from cli_helpers import pdlab
+from pdlab.constants import DRIFT_KEEP, DRIFT_MIN_FACTORS
+from pdlab.measure.summary import summarize_run
+from pdlab.recipe import load_profile, parse_recipe
+from pdlab.recipe.timing import Drift, TimingProfile
+from pdlab.sim.band import forecast_band, lines
+from pdlab.sim.experiment import simulate_recipe
+from pdlab.timing.drift import describe, merged, run_factors
+from pdlab.timing.replay import TARGETS, covered, figures, inside, within
+from pdlab.timing.write import write_profile
+from pdlab.workload import build_workload
+from test_replay import PROFILE, fake_run, recipe
+
+
+def forecast(profile: TimingProfile) -> tuple[object, dict]:
+    """The recipe simulated from `profile`, and its band."""
+    r = parse_recipe(recipe(profile))
+    wl = {n: build_workload(v) for n, v in r.variants.items()}
+    res = simulate_recipe(r, wl)
+    return res, forecast_band(res.recipe, res.slo, wl)
+
+
+def test_a_drift_keeps_its_latest_paces_and_gives_a_band_once_it_has_enough():
+    d = Drift()
+    assert d.band() is None and d.to_raw() == {} and "no band" in describe(d)
+    d = merged(d, [1.0] * (DRIFT_MIN_FACTORS - 1))
+    assert d.band() is None and d.runs == 1
+    d = merged(d, [0.8, 0.9, 1.1, 1.2] + [1.0] * 6)
+    assert d.runs == 2 and d.band()[0] < 1.0 < d.band()[1] and 0.8 <= d.band()[0] and d.band()[1] <= 1.2
+    d = merged(d, [2.0] * (DRIFT_KEEP + 5))
+    assert len(d.factors) == DRIFT_KEEP and set(d.factors) == {2.0} and d.band() == (2.0, 2.0)
+    assert TimingProfile.from_raw(PROFILE.replace(drift=d).to_raw(), "p").drift == d  # the file round-trips
+    with pytest.raises(Exception, match="drift"):
+        TimingProfile.from_raw({**PROFILE.to_raw(), "drift": {"factors": [1.0, -1.0]}}, "p")
+
+
+def test_a_runs_paces_are_each_workers_steps_over_the_profile_rate_by_rate(tmp_path):
+    run = fake_run(PROFILE.scaled(1.3), tmp_path)  # a box 1.3x slower than the profile, throughout
+    f = run_factors(PROFILE, run.steps, ["unified", "pd"])
+    assert len(f) == 3 * 2 and all(x == pytest.approx(1.3) for x in f)  # 3 workers x 2 rates
+    assert len(run_factors(PROFILE, run.steps, ["pd"])) == 4 and run_factors(PROFILE, run.steps, []) == []
+    warm = [dict(s, warmup=True, end=s["start"] + 9 * (s["end"] - s["start"])) for s in run.steps[:8]]
+    assert run_factors(PROFILE, run.steps + warm, ["unified", "pd"]) == f  # warm-up steps are not the run's
+
+
+def test_a_band_at_the_runs_own_pace_holds_the_run_and_the_point_forecast_does_not(tmp_path):
+    run = fake_run(PROFILE.scaled(1.3), tmp_path)
+    real = figures(run.requests, run.summary)
+    drifted = PROFILE.replace(drift=merged(Drift(), run_factors(PROFILE, run.steps, ["unified", "pd"])))
+    res, band = forecast(drifted)
+    assert band["variants"]["pd"]["pace"] == [pytest.approx(1.3)] * 2 and band["variants"]["pd"]["runs"] == 1
+    rows = covered(real, band)
+    assert {(r["variant"], r["rate"]) for r in rows} == {(v, t) for v in ("unified", "pd") for t in ("20", "inf")}
+    for r in rows:  # the same simulator at the run's own pace: the run's figures, to rounding
+        for k in ("ttft_p50", "ttft_p90", "itl_p90", "attainment") + (("saturation",) if r["rate"] == "inf" else ()):
+            assert r[k]["lo"] == pytest.approx(r[k]["real"], rel=1e-6, abs=1e-9), (r["variant"], r["rate"], k)
+    assert all(a == b for a, b in within(rows).values())
+    # the point forecast, at the profile's pace, is 1.3x too fast: its saturation misses beyond the target
+    s = summarize_run(res.requests, res.steps, res.transfers, res.slo,
+                      grid={n: res.recipe.rates for n in res.recipe.variants}, **res.facts)
+    sim = figures(res.requests, s)
+    assert all(sim[v]["inf"]["output_tok_s"] > (1 + TARGETS["saturation"]) * real[v]["inf"]["output_tok_s"]
+               for v in real)
+
+
+def test_a_wider_drift_orders_the_band_and_a_run_beyond_it_is_named(tmp_path):
+    _, band = forecast(PROFILE.replace(drift=Drift(factors=(0.9,) * 4 + (1.5,) * 4, runs=2)))
+    assert band["variants"]["unified"]["pace"] == [pytest.approx(0.9), pytest.approx(1.5)]
+    for v in ("unified", "pd"):  # slower steps: later tokens, less throughput
+        assert band["lo"][v]["inf"]["ttft_p50"] < band["hi"][v]["inf"]["ttft_p50"]
+        assert band["lo"][v]["inf"]["output_tok_s"] > band["hi"][v]["inf"]["output_tok_s"]
+    run = fake_run(PROFILE.scaled(1.2), tmp_path)
+    rows = covered(figures(run.requests, run.summary), band)
+    sat = [r["saturation"] for r in rows if "saturation" in r]
+    assert all(x["inside"] and x["ok"] and x["lo"] < x["real"] < x["hi"] for x in sat)
+    far = fake_run(PROFILE.scaled(3.0), tmp_path)  # a box far slower than any run the profile was checked with
+    rows = covered(figures(far.requests, far.summary), band)
+    assert not any(r["saturation"]["ok"] for r in rows if "saturation" in r)
+    assert inside(rows)["saturation"] == (0, 2)
+    text = lines(band, parse_recipe(recipe(PROFILE.replace(drift=Drift(factors=(0.9,) * 4 + (1.5,) * 4, runs=2)))))
+    assert text[0].startswith("forecast band (simulated, not measured)") and "x0.90-1.50" in text[0]
+    assert any(ln.strip().startswith("pd @ inf req/s: TTFT p50") and "tok/s" in ln for ln in text)
+
+
+def test_a_profile_without_drift_gives_no_band_and_says_how_to_get_one():
+    res, band = forecast(PROFILE)
+    assert band is None
+    (line,) = lines(None, res.recipe)
+    assert line.startswith("no forecast band: profile box has no drift yet") and "--write-drift" in line
+    assert lines(None, parse_recipe(recipe(PROFILE.replace(source="analytic")))) == []  # nothing checked it
+
+
+def test_write_drift_adds_a_runs_paces_to_the_profile_file(tmp_path, capsys):
+    from pdlab.commands.profile import _write_drift
+
+    path = write_profile(str(tmp_path / "box.yaml"), {**PROFILE.to_raw(), "pdlab_timing_profile": 1},
+                         header="measured by hand")
+    run = fake_run(PROFILE.scaled(1.25), tmp_path)
+    checks = {"unified": {"modelled": False}, "pd": {"modelled": False}}
+    assert _write_drift(run, checks, path) == 0
+    assert _write_drift(run, checks, path) == 0
+    d = load_profile(path).drift
+    assert d.runs == 2 and len(d.factors) == 12 and d.band() == (pytest.approx(1.25, rel=1e-3),) * 2
+    assert open(path).read().startswith("# measured by hand\n") and load_profile(path).step == PROFILE.step
+    assert "drift now x1.25-1.25 (5-95% of 12 paces from 2 runs)" in capsys.readouterr().out
+    assert _write_drift(run, {"pd": {"modelled": True}}, path) == 2  # timed steps are the model's
+    assert "no variant of this run ran its model" in capsys.readouterr().err
+    assert yaml.safe_load(open(path))["drift"]["runs"] == 2  # nothing written by the failed one
+
+
+def test_write_drift_needs_a_profile_file(tmp_path):
+    r = pdlab("profile", "--check", str(tmp_path), "--write-drift")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--write-drift needs --profile FILE" in r.stderr

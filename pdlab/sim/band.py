@@ -22,6 +22,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from pdlab.constants import DRIFT_LEVELS
+from pdlab.measure.summary import summarize_run
 from pdlab.recipe import SLO, Recipe
 from pdlab.sim.pace import WorkerPace
 
@@ -54,7 +55,7 @@ def forecast_band(recipe: Recipe, slo: SLO, workloads: dict[str, Any]) -> Option
     """{levels, variants: name -> {pace: [lo, hi], paces, runs}, lo, hi: figures at each end (variant -> rate tag ->
     figure), goodput: {lo, hi}: variant -> goodput where searched}; None where no variant's profile has a band.
     `recipe`: as the forecast resolved it (absolute rates); `slo`: the absolute SLO it resolved."""
-    from pdlab.measure.summary import summarize_run
+    # deferred: torch
     from pdlab.sim.experiment import simulate_recipe
     from pdlab.timing.replay import figures
 
@@ -85,7 +86,7 @@ def _span(a: Optional[float], b: Optional[float], digits: int) -> str:
 
 def lines(band: Optional[dict], recipe: Recipe) -> list[str]:
     """What a simulation prints of its band; without one, a line naming the measured profiles that have none."""
-    from pdlab.timing.drift import describe
+    from pdlab.timing.drift import describe  # deferred: torch
 
     if band is None:
         missing = sorted({v.model.timing.name for v in recipe.variants.values()

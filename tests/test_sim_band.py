@@ -116,6 +116,10 @@ def test_write_drift_adds_a_runs_paces_to_the_profile_file(tmp_path, capsys):
     assert yaml.safe_load(open(path))["drift"]["runs"] == 2  # nothing written by the failed one
 
 
-def test_write_drift_needs_a_profile_file(tmp_path):
+def test_write_drift_needs_a_profile_file_and_never_writes_a_shipped_one(tmp_path):
     r = pdlab("profile", "--check", str(tmp_path), "--write-drift")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--write-drift needs --profile FILE" in r.stderr
+    shipped = load_profile("cpu-demo-2core")
+    r = pdlab("profile", "--check", str(tmp_path), "--profile", "cpu-demo-2core", "--write-drift")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "a shipped profile is never written" in r.stderr
+    assert load_profile("cpu-demo-2core") == shipped

@@ -152,9 +152,12 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
     from pdlab.recipe import RecipeError, load_profile, parse_recipe
     from pdlab.timing.check import CheckError, check_run, lines
 
+    flag = "--write-host" if write_host else "--write-drift"
     if (write_host or write_drift) and profile is None:
-        flag = "--write-host" if write_host else "--write-drift"
         return _err(f"{flag} needs --profile FILE: the profile to write the run's figures into")
+    if (write_host or write_drift) and not os.path.isfile(os.path.expanduser(profile)):
+        return _err(f"{flag}: --profile {profile} is not a file (a shipped profile is never written: copy it to "
+                    "a file and name that)")
     try:
         run = load_run(run_dir)
         given = load_profile(profile, "--profile") if profile else None

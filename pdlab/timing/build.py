@@ -153,7 +153,8 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
         report.append(f"contention (the probe's workers stepping together and after idling): "
                       f"{describe(fit['contention']['probed'])} (samples: {fit['contention']['samples']}); kept: "
                       f"{describe(contention or {})}, the factors beside stepping workers come from a run's steps "
-                      "(pdlab profile --check RUN --profile FILE --write-host)")
+                      "(pdlab profile --check RUN --profile FILE --write-host; a run in a slow phase of the box "
+                      "reads them low, and --write-drift keeps its pace apart instead)")
     if fitted is not None and not fit.get("contention"):
         report.append(f"contention: {describe(contention or {})}")
     report += [f"warning: {w}" for w in warnings]

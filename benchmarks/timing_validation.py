@@ -3,7 +3,7 @@ recipes it was never fitted on for real and in the simulator, and set the figure
 
     python benchmarks/timing_validation.py --out runs/timing-validation            # ~16 min on 2 cores
     python benchmarks/timing_validation.py --out DIR --profile box.yaml            # an existing profile
-    python benchmarks/timing_validation.py --out DIR --requests 16 --repeats 1 --no-again   # ~3 min, rough
+    python benchmarks/timing_validation.py --out DIR --requests 16 --repeats 1 --no-again --no-calibrate  # ~3 min
 
 Each recipe is cpu-demo on two single-core workers, unified (2 replicas) against a 1P1D deployment, with a
 length mix of its own: short prompts and outputs (pull), long prompts (push), and a wide mix under chunked
@@ -232,7 +232,13 @@ def main() -> int:
     t0 = time.monotonic()
     profile = os.path.abspath(os.path.join(args.out, "box.yaml"))
     if args.profile:
-        shutil.copyfile(args.profile, profile)  # the calibration writes into it: never into the one given
+        from pdlab.recipe.timing import profile_path
+
+        given = profile_path(args.profile)  # a file, or a shipped profile's name
+        if given is None:
+            print(f"error: --profile {args.profile}: no such file or shipped profile", file=sys.stderr)
+            return 2
+        shutil.copyfile(given, profile)  # the calibration writes into it: never into the one given
     else:
         print(f"measuring the profile ({args.steps} steps) ...", flush=True)
         print(run(py + ["profile", "--model", "cpu-demo", "--steps", str(args.steps), "--out", profile],
@@ -245,14 +251,15 @@ def main() -> int:
         with open(path, "w") as f:
             yaml.safe_dump(raw, f, sort_keys=False)
         run(py + ["run", path, "--out", cal], os.path.join(args.out, "calibration-real.log"))
+        # beside the profile, a copy with the calibration's host time and contention too (--write-host: prefill_x
+        # and decode_x beside stepping workers, which a fresh profile leaves at 1): does one run's worth help?
+        # Copied before the drift is written: a drift is read against the profile it is kept in
+        calibrated = os.path.join(args.out, "box-calibrated.yaml")
+        shutil.copyfile(profile, calibrated)
         out = run(py + ["profile", "--check", cal, "--profile", profile, "--write-drift"],
                   os.path.join(args.out, "calibration-check.log"))
         results["calibration"] = {"recipe": raw, "drift": out.strip().splitlines()[-1]}
         print(f"  {results['calibration']['drift']}")
-        # beside it, a copy with the calibration's host time and contention too (--write-host: prefill_x and
-        # decode_x beside stepping workers, which a fresh profile leaves at 1): does one run's worth help?
-        calibrated = os.path.join(args.out, "box-calibrated.yaml")
-        shutil.copyfile(profile, calibrated)
         out = run(py + ["profile", "--check", cal, "--profile", calibrated, "--write-host"],
                   os.path.join(args.out, "calibration-host.log"))
         results["calibration"]["host"] = out.strip().splitlines()[-1]

@@ -212,8 +212,10 @@ def profile(
 
     if check is not None:
         raise typer.Exit(check_run(check, profile_, write_host, replay, write_drift))
+    given = tuple(f for f, on in (("--profile", profile_ is not None), ("--write-host", write_host),
+                                  ("--write-drift", write_drift)) if on)
     raise typer.Exit(main(model, device, dtype, out, steps, seed, threads, cores=cores, host=not no_host,
-                          replay=replay))
+                          replay=replay, check_only=given))
 
 
 @app.command(cls=_Command)

@@ -30,7 +30,7 @@ def forecast(profile: TimingProfile) -> tuple[object, dict]:
 
 def test_a_drift_keeps_its_latest_paces_and_gives_a_band_once_it_has_enough():
     d = Drift()
-    assert d.band() is None and d.to_raw() == {} and "no band" in describe(d)
+    assert d.band() is None and d.to_raw() == {} and describe(d).startswith("its drift has 0 of the 4 paces")
     d = merged(d, [1.0] * (DRIFT_MIN_FACTORS - 1))
     assert d.band() is None and d.runs == 1
     d = merged(d, [0.8, 0.9, 1.1, 1.2] + [1.0] * 6)
@@ -80,7 +80,7 @@ def test_a_wider_drift_orders_the_band_and_a_run_beyond_it_is_named(tmp_path):
     run = fake_run(PROFILE.scaled(1.2), tmp_path)
     rows = covered(figures(run.requests, run.summary), band)
     sat = [r["saturation"] for r in rows if "saturation" in r]
-    assert all(x["inside"] and x["ok"] and x["lo"] < x["real"] < x["hi"] for x in sat)
+    assert len(sat) == 2 and all(x["inside"] and x["ok"] and x["lo"] < x["real"] < x["hi"] for x in sat)
     far = fake_run(PROFILE.scaled(3.0), tmp_path)  # a box far slower than any run the profile was checked with
     rows = covered(figures(far.requests, far.summary), band)
     assert not any(r["saturation"]["ok"] for r in rows if "saturation" in r)
@@ -94,8 +94,21 @@ def test_a_profile_without_drift_gives_no_band_and_says_how_to_get_one():
     res, band = forecast(PROFILE)
     assert band is None
     (line,) = lines(None, res.recipe)
-    assert line.startswith("no forecast band: profile box has no drift yet") and "--write-drift" in line
+    assert line.startswith("no forecast band for profile box: its drift has 0 of the") and "--write-drift" in line
     assert lines(None, parse_recipe(recipe(PROFILE.replace(source="analytic")))) == []  # nothing checked it
+    # too few paces for a band, and one variant banded beside another that is not: each says so
+    few = PROFILE.replace(name="few", drift=Drift(factors=(1.1,), runs=1))
+    raw = recipe(PROFILE.replace(drift=Drift(factors=(0.9,) * 4 + (1.5,) * 4, runs=2)))
+    raw["variants"]["unified"]["model"] = {"timing": few.to_raw()}
+    r = parse_recipe(raw)
+    wl = {n: build_workload(v) for n, v in r.variants.items()}
+    res = simulate_recipe(r, wl)
+    band = forecast_band(res.recipe, res.slo, wl)
+    assert list(band["variants"]) == ["pd"] and set(band["lo"]) == {"pd"}
+    text = lines(band, res.recipe)
+    assert text[0].startswith("forecast band (simulated, not measured)") and "pd: x0.90-1.50" in text[0]
+    assert "no forecast band for profile few: its drift has 1 of the 4 paces" in text[1]
+    assert not any(ln.strip().startswith("unified @") for ln in text)
 
 
 def test_write_drift_adds_a_runs_paces_to_the_profile_file(tmp_path, capsys):
@@ -105,12 +118,18 @@ def test_write_drift_adds_a_runs_paces_to_the_profile_file(tmp_path, capsys):
                          header="measured by hand")
     run = fake_run(PROFILE.scaled(1.25), tmp_path)
     checks = {"unified": {"modelled": False}, "pd": {"modelled": False}}
+    run.env["time"] = "2026-12-03T10:00:00+0000"
     assert _write_drift(run, checks, path) == 0
+    assert _write_drift(run, checks, path) == 2  # the same run twice: refused, the drift as it was
+    assert "is in" in capsys.readouterr().err and load_profile(path).drift.runs == 1
+    run.env["time"] = "2026-12-03T11:00:00+0000"  # another run (of the same box)
     assert _write_drift(run, checks, path) == 0
     d = load_profile(path).drift
     assert d.runs == 2 and len(d.factors) == 12 and d.band() == (pytest.approx(1.25, rel=1e-3),) * 2
+    assert d.sources == ("2026-12-03T10:00:00+0000", "2026-12-03T11:00:00+0000")
     assert open(path).read().startswith("# measured by hand\n") and load_profile(path).step == PROFILE.step
     assert "drift now x1.25-1.25 (5-95% of 12 paces from 2 runs)" in capsys.readouterr().out
+    run.env["time"] = "2026-12-03T12:00:00+0000"
     assert _write_drift(run, {"pd": {"modelled": True}}, path) == 2  # timed steps are the model's
     assert "no variant of this run ran its model" in capsys.readouterr().err
     assert yaml.safe_load(open(path))["drift"]["runs"] == 2  # nothing written by the failed one
@@ -123,3 +142,30 @@ def test_write_drift_needs_a_profile_file_and_never_writes_a_shipped_one(tmp_pat
     r = pdlab("profile", "--check", str(tmp_path), "--profile", "cpu-demo-2core", "--write-drift")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "a shipped profile is never written" in r.stderr
     assert load_profile("cpu-demo-2core") == shipped
+
+
+def test_the_write_options_without_check_are_refused_before_anything_is_measured(tmp_path):
+    r = pdlab("profile", "--profile", str(tmp_path / "box.yaml"), "--write-drift")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "--profile, --write-drift go with --check RUN_DIR" in r.stderr and not (tmp_path / "box.yaml").exists()
+
+
+def test_a_simulation_from_a_profile_with_a_drift_prints_and_stores_its_band(tmp_path):
+    import json
+
+    drifted = PROFILE.replace(drift=Drift(factors=(0.9,) * 4 + (1.5,) * 4, runs=2))
+    path = write_profile(str(tmp_path / "box.yaml"), {**drifted.to_raw(), "pdlab_timing_profile": 1})
+    raw = recipe(PROFILE)
+    raw["model"] = {"preset": "tiny-llama", "timing": path}
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    out = str(tmp_path / "sim")
+    r = pdlab("run", str(tmp_path / "r.yaml"), "--simulate", "--out", out)
+    assert r.returncode == 0, r.stderr[-2000:]
+    band = json.load(open(f"{out}/summary.json"))["forecast_band"]
+    assert band["variants"]["pd"]["pace"] == [pytest.approx(0.9), pytest.approx(1.5)]
+    assert band["lo"]["pd"]["inf"]["output_tok_s"] > band["hi"]["pd"]["inf"]["output_tok_s"]
+    assert "forecast band (simulated, not measured)" in r.stdout and "pd @ inf req/s: TTFT p50" in r.stdout
+    write_profile(path, {**PROFILE.to_raw(), "pdlab_timing_profile": 1})  # no drift: no band, and a line saying so
+    r = pdlab("run", str(tmp_path / "r.yaml"), "--simulate", "--out", str(tmp_path / "sim2"))
+    assert r.returncode == 0 and json.load(open(tmp_path / "sim2" / "summary.json"))["forecast_band"] is None
+    assert "no forecast band for profile box: its drift has 0 of the 4 paces" in r.stdout

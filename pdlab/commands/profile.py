@@ -44,13 +44,19 @@ def default_cores(threads: int) -> list[int]:
 
 def main(model: str = "cpu-demo", device: str = "cpu", dtype: Optional[str] = None, out: Optional[str] = None,
          steps: int = DEFAULT_STEPS, seed: int = 0, threads: Optional[int] = None, quiet: bool = False,
-         cores: Optional[str] = None, host: bool = True, replay: bool = False) -> int:
+         cores: Optional[str] = None, host: bool = True, replay: bool = False,
+         check_only: tuple[str, ...] = ()) -> int:
+    """`check_only`: the --check options given without --check (an error: they would be ignored, and a
+    --profile FILE then be overwritten by the new profile's default path)."""
     def say(msg: str = "") -> None:
         if not quiet:
             print(msg, flush=True)
 
     if replay:
         return _err("--replay goes with --check RUN_DIR: the run to replay")
+    if check_only:
+        return _err(f"{', '.join(check_only)} go{'es' if len(check_only) == 1 else ''} with --check RUN_DIR: "
+                    "without it pdlab profile measures a new profile")
     if steps < MIN_STEPS:
         return _err(f"--steps must be at least {MIN_STEPS} (9 terms to fit and steps held out), got {steps}")
     if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
@@ -248,16 +254,19 @@ def _write_host(checks: dict, path: str) -> int:
 def _write_drift(run: object, checks: dict, path: str) -> int:
     """The run's pace against the profile file checked (--profile), added to its drift (pdlab.timing.drift)."""
     from pdlab.recipe import RecipeError, load_profile
-    from pdlab.timing.drift import checked_variants, describe, merged, run_factors
+    from pdlab.timing.drift import checked_variants, describe, merged, run_factors, taken
 
     try:
         profile = load_profile(path, "--profile")  # as it stands: after --write-host, with the run's host time
     except RecipeError as e:
         return _err(str(e))
+    source = str(run.env.get("time") or "")  # type: ignore[attr-defined]
+    if taken(profile.drift, source):
+        return _err(f"--write-drift: this run (started {source}) is in {path}'s drift already")
     factors = run_factors(profile, run.steps, checked_variants(checks))  # type: ignore[attr-defined]
     if not factors:
         return _err("--write-drift: no variant of this run ran its model and took steps to read its pace from")
-    drift = merged(profile.drift, factors)
+    drift = merged(profile.drift, factors, source)
     raw, file, head = _read_profile(path)
     raw["drift"] = drift.to_raw()
     _write(file, raw, head)

@@ -149,7 +149,11 @@ def _simulate(recipe: object, workloads: dict, path: str) -> int:
     result = simulate_recipe(recipe, workloads, progress=lambda v: print(f"{v}: simulated", flush=True))
     for kind in ("requests", "steps", "transfers"):
         rd.append(kind, getattr(result, kind))
-    band = forecast_band(result.recipe, result.slo, workloads)  # from the profiles' drift, where they have one
+    try:  # from the profiles' drift, where they have one; a convenience beside the forecast, never its loss
+        band = forecast_band(result.recipe, result.slo, workloads)
+    except Exception as e:  # noqa: BLE001 - the forecast's records are written; its summary must be too
+        print(f"note: no forecast band: {e.__class__.__name__}: {e}", file=sys.stderr)
+        band = None
     finalize(rd, result.slo, grid={v: result.recipe.rates for v in recipe.variant_names}, forecast_band=band,
              **result.facts)
     _print_table(path)

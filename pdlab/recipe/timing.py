@@ -226,6 +226,14 @@ def _transfers(v: Any, key: str) -> tuple[tuple[str, TransferTiming], ...]:
     return tuple(out)
 
 
+def _texts(v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)) or not all(isinstance(x, str) for x in v):
+        raise ValueError
+    return tuple(v)
+
+
 def _factors(v: Any) -> tuple[float, ...]:
     if v is None:
         return ()
@@ -241,11 +249,14 @@ class Drift(Section):
     their context: the contention the profile models), as the replay reads them (pdlab.timing.replay); `runs`,
     how many runs gave them. The profile's own steps say nothing of this: they were measured in a minute or two,
     and a shared box drifts over minutes (x0.92-1.23 in whole runs on the developers' VM, BENCHMARKS.md).
-    `band()` is the simulator's band (pdlab.sim.band)."""
+    `band()` is the simulator's band (pdlab.sim.band). `runs` counts every run added, including those whose
+    paces the latest DRIFT_KEEP no longer hold; `sources`, each run's start time (its env.json `time`), so that
+    one run is taken once."""
 
     factors: tuple[float, ...] = spec((), "a list of numbers > 0 (a worker's steps over the profile's prediction in "
                                           "one rate and repeat of a run)", _factors)
     runs: int = spec(0, "an integer >= 0 (runs the factors came from)", to_int(0))
+    sources: tuple[str, ...] = spec((), "a list of strings (each run's start time)", _texts)
 
     def band(self) -> Optional[tuple[float, float]]:
         """The factors' quantiles at constants.DRIFT_LEVELS; None with fewer than DRIFT_MIN_FACTORS."""
@@ -255,7 +266,7 @@ class Drift(Section):
         return lo, hi
 
     def to_raw(self) -> dict:
-        return {"factors": list(self.factors), "runs": self.runs} if self.factors else {}
+        return {"factors": list(self.factors), "runs": self.runs, "sources": list(self.sources)} if self.factors else {}
 
 
 @dataclass(frozen=True, kw_only=True)

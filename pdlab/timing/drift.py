@@ -31,18 +31,25 @@ def run_factors(profile: TimingProfile, steps: list[dict], variants: list[str]) 
     return out
 
 
-def merged(drift: Drift, factors: list[float]) -> Drift:
-    """`drift` with one more run's factors (the latest DRIFT_KEEP kept)."""
+def merged(drift: Drift, factors: list[float], source: str = "") -> Drift:
+    """`drift` with one more run's factors (the latest DRIFT_KEEP kept); `source`: the run's start time, kept so
+    that the same run is not added twice (`taken`)."""
     return drift.replace(factors=tuple((list(drift.factors) + [round(f, 4) for f in factors])[-DRIFT_KEEP:]),
-                         runs=drift.runs + 1)
+                         runs=drift.runs + 1, sources=tuple((list(drift.sources) + [source])[-DRIFT_KEEP:])
+                         if source else drift.sources)
+
+
+def taken(drift: Drift, source: str) -> bool:
+    """Whether the run started at `source` is in `drift` already."""
+    return bool(source) and source in drift.sources
 
 
 def describe(drift: Drift) -> str:
     """'x0.96-1.19 (5-95% of 32 paces from 1 run)', or what is missing."""
     band = drift.band()
     if band is None:
-        return (f"no band: {len(drift.factors)} paces, {DRIFT_MIN_FACTORS} needed (pdlab profile --check RUN "
-                "--profile FILE --write-drift)")
+        return (f"its drift has {len(drift.factors)} of the {DRIFT_MIN_FACTORS} paces a band needs (the box's pace "
+                "in a real run: pdlab profile --check RUN --profile FILE --write-drift)")
     lo, hi = (f"{100 * q:g}" for q in DRIFT_LEVELS)
     return (f"x{band[0]:.2f}-{band[1]:.2f} ({lo}-{hi}% of {len(drift.factors)} paces from {drift.runs} "
             f"run{'s' if drift.runs != 1 else ''})")

@@ -170,11 +170,14 @@ def covered(real: dict, band: dict) -> list[dict]:
     """Each figure of `real` (figures: variant -> rate tag -> figure) against a forecast's band (pdlab.sim.band:
     its `lo` and `hi` figures): rows as compare's, each figure {real, lo, hi, inside: within the band, ok: within
     its target of some value in the band (the band widened by the target: relative for the latencies and the
-    saturation throughput, absolute for attainment)}. Only variants the band has."""
+    saturation throughput, absolute for attainment)}. Only variants the band has, and only rates both its ends
+    simulated (a searched rate, or a relative one resolved otherwise, has nothing to be held against)."""
     rows = []
     for v in band.get("variants", {}):
         for tag, a in real.get(v, {}).items():
-            ends = [band[e].get(v, {}).get(tag, {}) for e in ("lo", "hi")]
+            ends = [band[e].get(v, {}).get(tag) for e in ("lo", "hi")]
+            if None in ends:
+                continue
             row: dict[str, Any] = {"variant": v, "rate": tag}
             keys = [(k, k) for k in LATENCIES + ("attainment",)] + ([("saturation", "output_tok_s")]
                                                                     if tag == "inf" else [])

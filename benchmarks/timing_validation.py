@@ -51,8 +51,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from pdlab.timing.replay import (TARGETS, compare, covered, figures as replay_figures, inside, table,  # noqa: E402
-                                 within)
+from pdlab.timing.replay import TARGETS, compare, covered, figures as replay_figures, table, within  # noqa: E402
 
 RATE_FRACTIONS = (0.5, 0.9, 1.3)  # of the simulated saturation rate; saturation itself (inf) is run too
 SLO_X = {"ttft": 4.0, "itl": 10.0}  # of the simulated one-request TTFT and ITL
@@ -302,8 +301,8 @@ def main() -> int:
                                   [x["replay"]["comparison"] for x in recs])
     band_rows = [r for x in recs for r in (x["band_rows"] or [])]
     if band_rows:
-        results["band_met"] = {k: {"within": a, "of": b} for k, (a, b) in within(band_rows).items()}
-        results["band_inside"] = {k: {"within": a, "of": b} for k, (a, b) in inside(band_rows).items()}
+        for key, by in (("band_met", "ok"), ("band_inside", "inside")):
+            results[key] = {k: {"within": a, "of": b} for k, (a, b) in within(band_rows, by).items()}
     if args.calibrate:
         results["calibrated_met"] = tally([r for x in recs for r in x["calibrated"]["rows"]],
                                           [x["calibrated"] for x in recs])

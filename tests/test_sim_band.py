@@ -13,8 +13,8 @@ from pdlab.recipe import load_profile, parse_recipe
 from pdlab.recipe.timing import Drift, TimingProfile
 from pdlab.sim.band import forecast_band, lines
 from pdlab.sim.experiment import simulate_recipe
-from pdlab.timing.drift import describe, merged, run_factors
-from pdlab.timing.replay import TARGETS, covered, figures, inside, within
+from pdlab.timing.drift import merged, run_factors
+from pdlab.timing.replay import TARGETS, covered, figures, within
 from pdlab.timing.write import write_profile
 from pdlab.workload import build_workload
 from test_replay import PROFILE, fake_run, recipe
@@ -30,7 +30,7 @@ def forecast(profile: TimingProfile) -> tuple[object, dict]:
 
 def test_a_drift_keeps_its_latest_paces_and_gives_a_band_once_it_has_enough():
     d = Drift()
-    assert d.band() is None and d.to_raw() == {} and describe(d).startswith("its drift has 0 of the 4 paces")
+    assert d.band() is None and d.to_raw() == {} and d.describe().startswith("its drift has 0 of the 4 paces")
     d = merged(d, [1.0] * (DRIFT_MIN_FACTORS - 1))
     assert d.band() is None and d.runs == 1
     d = merged(d, [0.8, 0.9, 1.1, 1.2] + [1.0] * 6)
@@ -84,7 +84,7 @@ def test_a_wider_drift_orders_the_band_and_a_run_beyond_it_is_named(tmp_path):
     far = fake_run(PROFILE.scaled(3.0), tmp_path)  # a box far slower than any run the profile was checked with
     rows = covered(figures(far.requests, far.summary), band)
     assert not any(r["saturation"]["ok"] for r in rows if "saturation" in r)
-    assert inside(rows)["saturation"] == (0, 2)
+    assert within(rows, "inside")["saturation"] == (0, 2)
     text = lines(band, parse_recipe(recipe(PROFILE.replace(drift=Drift(factors=(0.9,) * 4 + (1.5,) * 4, runs=2)))))
     assert text[0].startswith("forecast band (simulated, not measured)") and "x0.90-1.50" in text[0]
     assert any(ln.strip().startswith("pd @ inf req/s: TTFT p50") and "tok/s" in ln for ln in text)

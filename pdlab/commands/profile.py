@@ -254,7 +254,7 @@ def _write_host(checks: dict, path: str) -> int:
 def _write_drift(run: object, checks: dict, path: str) -> int:
     """The run's pace against the profile file checked (--profile), added to its drift (pdlab.timing.drift)."""
     from pdlab.recipe import RecipeError, load_profile
-    from pdlab.timing.drift import checked_variants, describe, merged, run_factors, taken
+    from pdlab.timing.drift import checked_variants, merged, run_factors, taken
 
     try:
         profile = load_profile(path, "--profile")  # as it stands: after --write-host, with the run's host time
@@ -271,7 +271,7 @@ def _write_drift(run: object, checks: dict, path: str) -> int:
     raw["drift"] = drift.to_raw()
     _write(file, raw, head)
     print(f"wrote the run's pace into {file}'s drift: {len(factors)} paces (each worker's, rate by rate), "
-          f"x{min(factors):.2f}-{max(factors):.2f}; its drift now {describe(drift)}")
+          f"x{min(factors):.2f}-{max(factors):.2f}; its drift now {drift.describe()}")
     return 0
 
 

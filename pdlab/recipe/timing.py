@@ -265,6 +265,16 @@ class Drift(Section):
         lo, hi = (float(q) for q in np.quantile(np.asarray(self.factors), DRIFT_LEVELS))
         return lo, hi
 
+    def describe(self) -> str:
+        """'x0.96-1.19 (5-95% of 32 paces from 1 run)', or what is missing."""
+        band = self.band()
+        if band is None:
+            return (f"its drift has {len(self.factors)} of the {DRIFT_MIN_FACTORS} paces a band needs (the box's "
+                    "pace in a real run: pdlab profile --check RUN --profile FILE --write-drift)")
+        lo, hi = (f"{100 * q:g}" for q in DRIFT_LEVELS)
+        return (f"x{band[0]:.2f}-{band[1]:.2f} ({lo}-{hi}% of {len(self.factors)} paces from {self.runs} "
+                f"run{'s' if self.runs != 1 else ''})")
+
     def to_raw(self) -> dict:
         return {"factors": list(self.factors), "runs": self.runs, "sources": list(self.sources)} if self.factors else {}
 

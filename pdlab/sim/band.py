@@ -88,17 +88,15 @@ def _span(a: Optional[float], b: Optional[float], digits: int) -> str:
 
 def lines(band: Optional[dict], recipe: Recipe) -> list[str]:
     """What a simulation prints of its band; without one, a line naming the measured profiles that have none."""
-    from pdlab.timing.drift import describe  # deferred: torch
-
     banded = set(band["variants"]) if band else set()
-    missing = {v.model.timing.name: describe(v.model.timing.drift) for n, v in recipe.variants.items()
+    missing = {v.model.timing.name: v.model.timing.drift.describe() for n, v in recipe.variants.items()
                if n not in banded and v.model.timing is not None and v.model.timing.source == "measured"}
     out = [f"no forecast band for profile {p}: {why}" for p, why in sorted(missing.items())]
     if band is None:
         return out
     out.insert(0, "forecast band (simulated, not measured): each variant again with every worker at the slow and "
                   "the fast end of the box's drift against its profile, at the forecast's rates and SLO (" +
-               "; ".join(f"{n}: {describe(recipe.variants[n].model.timing.drift)}" for n in band["variants"]) + ")")
+               "; ".join(f"{n}: {recipe.variants[n].model.timing.drift.describe()}" for n in band["variants"]) + ")")
     lo, hi = band["lo"], band["hi"]
     for v in band["variants"]:
         for tag, a in lo.get(v, {}).items():

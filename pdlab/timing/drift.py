@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdlab.constants import DRIFT_KEEP, DRIFT_LEVELS, DRIFT_MIN_FACTORS
+from pdlab.constants import DRIFT_KEEP
 from pdlab.recipe.timing import Drift, TimingProfile
 from pdlab.timing.replay import worker_paces
 
@@ -42,17 +42,6 @@ def merged(drift: Drift, factors: list[float], source: str = "") -> Drift:
 def taken(drift: Drift, source: str) -> bool:
     """Whether the run started at `source` is in `drift` already."""
     return bool(source) and source in drift.sources
-
-
-def describe(drift: Drift) -> str:
-    """'x0.96-1.19 (5-95% of 32 paces from 1 run)', or what is missing."""
-    band = drift.band()
-    if band is None:
-        return (f"its drift has {len(drift.factors)} of the {DRIFT_MIN_FACTORS} paces a band needs (the box's pace "
-                "in a real run: pdlab profile --check RUN --profile FILE --write-drift)")
-    lo, hi = (f"{100 * q:g}" for q in DRIFT_LEVELS)
-    return (f"x{band[0]:.2f}-{band[1]:.2f} ({lo}-{hi}% of {len(drift.factors)} paces from {drift.runs} "
-            f"run{'s' if drift.runs != 1 else ''})")
 
 
 def checked_variants(checks: dict[str, Any]) -> list[str]:

@@ -161,9 +161,10 @@ def _concordant(real: dict[str, float], sim: dict[str, float], tol: float, relat
     return True
 
 
-def within(rows: list[dict]) -> dict[str, tuple[int, int]]:
-    """figure -> (rows within its target, rows with the figure)."""
-    return {k: (sum(r[k]["ok"] for r in rows if k in r), sum(k in r for r in rows)) for k in TARGETS}
+def within(rows: list[dict], key: str = "ok") -> dict[str, tuple[int, int]]:
+    """figure -> (rows within its target, rows with the figure); `key` "inside": rows whose real figure lies within
+    a band itself (covered's rows)."""
+    return {k: (sum(r[k][key] for r in rows if k in r), sum(k in r for r in rows)) for k in TARGETS}
 
 
 def covered(real: dict, band: dict) -> list[dict]:
@@ -192,11 +193,6 @@ def covered(real: dict, band: dict) -> list[dict]:
                           "ok": lo - tol <= x <= hi + tol}
             rows.append(row)
     return rows
-
-
-def inside(rows: list[dict]) -> dict[str, tuple[int, int]]:
-    """figure -> (rows whose real figure lies within the band itself, rows with the figure)."""
-    return {k: (sum(r[k]["inside"] for r in rows if k in r), sum(k in r for r in rows)) for k in TARGETS}
 
 
 def cell(x: dict, digits: int = 0, absolute: bool = False) -> str:

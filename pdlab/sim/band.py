@@ -24,9 +24,8 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from pdlab.constants import DRIFT_LEVELS
-from pdlab.measure.summary import summarize_run
 from pdlab.recipe import SLO, Recipe
-from pdlab.sim.pace import WorkerPace
+from pdlab.sim.pace import WorkerPace, paced_profile
 
 
 def bands(recipe: Recipe) -> dict[str, tuple[float, float]]:
@@ -46,8 +45,7 @@ def at_pace(recipe: Recipe, slo: SLO, variants: dict[str, float]) -> tuple[Recip
     chosen = {}
     for name, factor in variants.items():
         v = recipe.variants[name]
-        timing = v.model.timing.replace(contention=v.model.timing.contention.replace(main_step_ms=0.0))
-        chosen[name] = replace(v, slo=slo, model=v.model.replace(timing=timing))
+        chosen[name] = replace(v, slo=slo, model=v.model.replace(timing=paced_profile(v.model.timing)))
     fixed = replace(recipe, shared=recipe.shared.replace(slo=slo), variants=chosen)
     paces = {n: {w.name: WorkerPace(f) for w in recipe.variants[n].deployment.workers} for n, f in variants.items()}
     return fixed, paces
@@ -71,8 +69,7 @@ def forecast_band(recipe: Recipe, slo: SLO, workloads: dict[str, Any]) -> Option
     for end, i in (("lo", 0), ("hi", 1)):
         fixed, paces = at_pace(recipe, slo, {n: b[i] for n, b in found.items()})
         res = simulate_recipe(fixed, workloads, paces=paces)
-        s = summarize_run(res.requests, res.steps, res.transfers, slo, grid={n: fixed.variants[n].rates
-                                                                           for n in fixed.variants}, **res.facts)
+        s = res.summary()
         out[end] = figures(res.requests, s)
         out["goodput"][end] = {n: (vs.get("goodput") or {}).get("mean") for n, vs in s["variants"].items()
                                if vs.get("mode") == "search"}

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 from pdlab.measure.search import RateSearch
+from pdlab.measure.summary import summarize_run
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.recipe.recipe import relative_rate
 from pdlab.sim.pace import WorkerPace
@@ -35,6 +36,12 @@ class SimResult:
         self.steps += recs[1]
         self.transfers += recs[2]
         return recs[0]
+
+    def summary(self) -> dict:
+        """The summary of the records (pdlab.measure.summary.summarize_run), with the facts and each variant's
+        planned rates."""
+        return summarize_run(self.requests, self.steps, self.transfers, self.slo,
+                             grid={n: v.rates for n, v in self.recipe.variants.items()}, **self.facts)
 
 
 def simulated(variant: Variant) -> str:

@@ -21,7 +21,7 @@ comes in stretches and by step shape, not step by step) put simulated ITL tails 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -36,6 +36,12 @@ class WorkerPace:
     factor: float = 1.0
     gaps_ms: tuple[float, ...] = ()
     by_run: tuple[tuple[str, int, float], ...] = ()  # (rate tag, repeat, factor)
+
+
+def paced_profile(profile: Any) -> Any:
+    """The profile a worker stepping at a pace read from a run is simulated with: the main process's share of the
+    workers' cores taken out, since the pace holds it (pdlab.sim.host_load would take it a second time)."""
+    return profile.replace(contention=profile.contention.replace(main_step_ms=0.0))
 
 
 def quantiles(xs: Sequence[float], levels: Sequence[float] = LEVELS) -> tuple[float, ...]:

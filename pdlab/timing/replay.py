@@ -26,7 +26,7 @@ import numpy as np
 
 from pdlab.measure.metrics import repeat_spans
 from pdlab.recipe.timing import TimingProfile
-from pdlab.sim.pace import WorkerPace, quantiles
+from pdlab.sim.pace import WorkerPace, paced_profile, quantiles
 from pdlab.timing.check import busy_ratio
 from pdlab.timing.contention import predicted_ms
 from pdlab.timing.host import FIGURES, gaps
@@ -247,7 +247,6 @@ def replay(run: Any, profile: Optional[TimingProfile] = None, checks: Optional[d
     else the one its recipe names: pdlab.timing.check.profile_for), simulated at its workers' paces and set
     beside the run. `checks`: check_run's result for the same run and profile, where the caller has it (else it
     is computed here). Raises ReplayError (and pdlab.timing.check.CheckError)."""
-    from pdlab.measure.summary import summarize_run
     from pdlab.recipe import parse_recipe
     from pdlab.sim.experiment import simulate_recipe
     from pdlab.timing.check import check_run, profile_for
@@ -274,14 +273,10 @@ def replay(run: Any, profile: Optional[TimingProfile] = None, checks: Optional[d
             raise ReplayError(f"variant {name}: the run's steps name workers its deployment does not have "
                               f"({', '.join(sorted(set(mine) - set(workers)))}): was the recipe edited after the run?")
         own = {k: c["host"][k] for k in HOPS if c["host"].get(k) is not None}  # the run's, where it measured them
-        # the paces hold what the main process took from the workers' cores: not taken again (host_load)
-        base = base.replace(host=base.host.replace(**own, admit_ms=0.0, admit_ktok_ms=0.0),
-                            contention=base.contention.replace(main_step_ms=0.0))
+        base = paced_profile(base).replace(host=base.host.replace(**own, admit_ms=0.0, admit_ktok_ms=0.0))
         r = parse_recipe(replay_raw(run.recipe, run.summary, run.requests, name, base))
         res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()}, paces={name: mine})
-        s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: r.rates for n in r.variants},
-                          **res.facts)
-        sim.update(figures(res.requests, s))
+        sim.update(figures(res.requests, res.summary()))
         paces[name], names[name] = mine, base.name
     if not paces:
         raise ReplayError(f"{run.path}: no variant that ran its model has steps and a profile to replay them with")

@@ -114,6 +114,7 @@ def test_an_agent_whose_router_goes_away_stops_its_processes_and_waits_for_the_n
     devices again to the next router on the same port."""
     import subprocess
     import sys
+    import tempfile
 
     from tests.test_run import ROOT
 
@@ -121,8 +122,6 @@ def test_an_agent_whose_router_goes_away_stops_its_processes_and_waits_for_the_n
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"tcp://127.0.0.1:{port}"
-    import tempfile
-
     tmp = tempfile.gettempdir()  # the agent's too: its peer's UCX log folder goes there (a deep TMPDIR would
     # push the agent's own socket paths past the 107-byte limit)
     agent = subprocess.Popen([sys.executable, "-m", "pdlab.cli", "worker", "--join", address, "--devices", "cpu:0",

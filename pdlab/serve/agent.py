@@ -200,8 +200,9 @@ class Agent:
         deadline = time.monotonic() + REAP_TIMEOUT_S
         for p in procs:
             p.join(max(0.0, deadline - time.monotonic()))
-        swept = shm.sweep(self.run_prefix) if self.run_prefix else []
+        swept = []
         if self.run_prefix:
+            swept = shm.sweep(self.run_prefix)
             shm.sweep_tmp(self.run_prefix)  # the workers' folders in the temporary directory (UCX logs, TP stores)
         codes = ", ".join(f"{n} exited {p.exitcode}" for n, p in self.procs.items())
         if report:

@@ -478,3 +478,22 @@ def test_admit_time_is_a_decode_workers_gap_beyond_its_plain_one_per_hand_over_a
     unified = [dict(s, worker="unified0", role="unified") for s in steps]
     assert host_times(unified, [dict(r, prefill_worker="unified0", decode_worker="unified0") for r in reqs]
                       )["admit_ms"] is None
+
+
+def test_a_profile_names_the_model_it_was_measured_on_and_a_check_compares_it(tmp_path, monkeypatch):
+    from pdlab.recipe.model import ModelSpec
+    from pdlab.timing.check import other_model
+
+    def model(raw: dict) -> ModelSpec:
+        return ModelSpec.from_raw({"dtype": "float32", **raw}, "model")
+
+    prof = TimingProfile(name="box", step=STEP, model="cpu-demo", fit={"dtype": "float32"})
+    assert other_model(prof, model({"preset": "cpu-demo"})) is None
+    assert other_model(prof, model({"preset": "tiny-llama"})) == \
+        "model tiny-llama, float32 (profile: cpu-demo, float32)"
+    assert "bfloat16" in other_model(prof, model({"preset": "cpu-demo", "dtype": "bfloat16"}))
+    assert other_model(TimingProfile(name="old", step=STEP), model({"preset": "tiny-llama"})) is None  # says none
+    (tmp_path / "m").mkdir()
+    at = TimingProfile(name="box", step=STEP, model=str(tmp_path / "m"))
+    monkeypatch.chdir(tmp_path)
+    assert other_model(at, model({"path": "./m"})) is None  # one directory, named two ways

@@ -169,3 +169,31 @@ def test_a_simulation_from_a_profile_with_a_drift_prints_and_stores_its_band(tmp
     r = pdlab("run", str(tmp_path / "r.yaml"), "--simulate", "--out", str(tmp_path / "sim2"))
     assert r.returncode == 0 and json.load(open(tmp_path / "sim2" / "summary.json"))["forecast_band"] is None
     assert "no forecast band for profile box: its drift has 0 of the 4 paces" in r.stdout
+
+
+def test_a_run_of_another_model_is_named_by_the_check_and_never_written_into_the_profile(tmp_path):
+    """A run of another model than the profile's measures the mismatch, not the box: --check warns, and
+    --write-drift and --write-host refuse it (one line, exit code 2), the profile file unchanged."""
+    import json
+
+    run = fake_run(PROFILE.scaled(1.25), tmp_path)  # the recipe runs tiny-llama
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "recipe.yaml").write_text(yaml.safe_dump(run.recipe))
+    (folder / "env.json").write_text(json.dumps({"time": "2026-12-03T10:00:00+0000"}))
+    (folder / "summary.json").write_text(json.dumps(run.summary))
+    for kind in ("requests", "steps"):
+        (folder / f"{kind}.jsonl").write_text("".join(json.dumps(x) + "\n" for x in getattr(run, kind)))
+    other = write_profile(str(tmp_path / "other.yaml"), {**PROFILE.replace(model="cpu-demo").to_raw(),
+                                                         "pdlab_timing_profile": 1})
+    before = open(other).read()
+    r = pdlab("profile", "--check", str(folder), "--profile", other)
+    assert r.returncode == 0 and "measured on another model than this run's (model tiny-llama" in r.stdout
+    for flag in ("--write-drift", "--write-host"):
+        r = pdlab("profile", "--check", str(folder), "--profile", other, flag)
+        assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+        assert f"{flag}: this run ran another model than {other}" in r.stderr and "profile: cpu-demo" in r.stderr
+        assert open(other).read() == before
+    same = write_profile(str(tmp_path / "same.yaml"), {**PROFILE.to_raw(), "pdlab_timing_profile": 1})
+    r = pdlab("profile", "--check", str(folder), "--profile", same, "--write-drift")
+    assert r.returncode == 0 and "another model" not in r.stdout and load_profile(same).drift.runs == 1

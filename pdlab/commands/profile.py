@@ -158,7 +158,7 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
     from pdlab.recipe import RecipeError, load_profile, parse_recipe
     from pdlab.timing.check import CheckError, check_run, lines
 
-    flag = "--write-host" if write_host else "--write-drift"
+    flag = " and ".join(f for f, on in (("--write-host", write_host), ("--write-drift", write_drift)) if on)
     if (write_host or write_drift) and profile is None:
         return _err(f"{flag} needs --profile FILE: the profile to write the run's figures into")
     if (write_host or write_drift) and not os.path.isfile(os.path.expanduser(profile)):
@@ -193,6 +193,11 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
         code = _replay(run, given, checks)
         if code:
             return code
+    if write_host or write_drift:
+        other = [f"{n}: {c['other_model']}" for n, c in checks.items() if c.get("other_model")]
+        if other:
+            return _err(f"{flag}: this run ran another model than {profile} was measured on ({'; '.join(other)}): "
+                        "its figures would measure the mismatch, not the box; nothing written")
     if write_host and (code := _write_host(checks, profile)):
         return code
     if write_drift:

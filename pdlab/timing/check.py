@@ -13,6 +13,7 @@ variant of the same model is timed with (a recipe that runs a model for real bes
 
 from __future__ import annotations
 
+import os
 import statistics
 from typing import Any, Optional
 
@@ -67,14 +68,16 @@ def profile_for(name: str, variants: dict[str, Any]) -> Optional[tuple[Any, str]
 def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
               profile: Optional[Any] = None, kernels: Optional[dict[str, dict]] = None,
               paces: Optional[dict[str, dict]] = None) -> dict:
-    """variant -> {profile, by, modelled, steps, overall, kinds, host, profile_host, contention,
+    """variant -> {profile, by, modelled, other_model, steps, overall, kinds, host, profile_host, contention,
     profile_contention, kernels, pace} for every
     variant with a profile to check (`profile` given: that one for every variant) and steps to check it on.
     `kernels`: variant -> worker -> the CPU kernels it ran (env.json's cpu_kernels); `kernels` in the result is
     a warning when they are not the profile's (pdlab.timing.provenance), else None. `paces`: variant -> worker
     -> the box's pace at its start (env.json's worker_pace_ms); `pace` in the result is the median of its
     workers' over the profile's (pdlab.timing.pace.ratio), None where either is missing. `contention`: the
-    run's own (pdlab.timing.contention; None for timed workers, which wait the model out)."""
+    run's own (pdlab.timing.contention; None for timed workers, which wait the model out). `other_model`: how the
+    model the variant ran differs from the profile's (other_model), None where it does not or the workers were
+    timed."""
     from pdlab.timing.pace import ratio
     from pdlab.timing.provenance import worker_warning
 
@@ -90,6 +93,7 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
             continue
         host = host_times(mine, [r for r in requests if r.get("variant") == name])
         out[name] = {"profile": p.name, "by": by, "modelled": v.model.modelled, **res, "host": host,
+                     "other_model": None if v.model.modelled else other_model(p, v.model),
                      "cpu_share": cpu_shares(mine),
                      "profile_host": p.host.to_raw(),
                      "contention": None if v.model.modelled else run_contention(p, v, mine),
@@ -98,6 +102,28 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
                      "pace": None if v.model.modelled else ratio(list(((paces or {}).get(name) or {}).values()),
                                                                   p.pace_ms)}
     return out
+
+
+def _model_key(source: str) -> str:
+    """A model source as compared: a directory by its real path (a relative and an absolute path to the same
+    model are one model), a preset or hub id as written."""
+    path = os.path.expanduser(source)
+    return os.path.realpath(path) if os.path.isdir(path) else source
+
+
+def other_model(profile: Any, model: Any) -> Optional[str]:
+    """What differs between the model `profile` was measured on and the one a variant ran (`model`, a resolved
+    ModelSpec): 'model tiny-llama, float32 (profile: cpu-demo, float32)', or None when they are the same or the
+    profile does not say. A run of another model measures the mismatch, not the box: its figures must not go
+    into the profile (pdlab profile --check --write-host / --write-drift refuse them)."""
+    ran_dtype = model.dtype
+    measured_dtype = (getattr(profile, "fit", None) or {}).get("dtype")
+    same_model = not profile.model or _model_key(profile.model) == _model_key(model.source)
+    same_dtype = not measured_dtype or not ran_dtype or measured_dtype == ran_dtype
+    if same_model and same_dtype:
+        return None
+    return (f"model {model.source}, {ran_dtype or 'its default dtype'} (profile: {profile.model or 'unnamed'}, "
+            f"{measured_dtype or 'dtype not recorded'})")
 
 
 def run_contention(profile: Any, v: Any, steps: list[dict]) -> dict:
@@ -147,6 +173,9 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
     for name, c in checks.items():
         if c.get("kernels"):
             warn.append(c["kernels"])
+        if c.get("other_model"):
+            warn.append(f"{name}: profile {c['profile']} was measured on another model than this run's "
+                        f"({c['other_model']}): its errors measure the mismatch, not the box")
         kinds = ", ".join(f"{k} {e['mape_pct']:.0f}% (x{e['ratio']:.2f}, {e['steps']})"
                           for k, e in c["kinds"].items() if e.get("steps"))
         h, ph = c["host"], c["profile_host"]

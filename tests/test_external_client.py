@@ -19,7 +19,7 @@ def cluster_for(server, log_dir) -> EndpointCluster:
     v = parse_recipe({"rates": [1], "model": {"preset": "tiny-llama"},
                       "engine": {"backend": "endpoint", "url": server.url, "model": "fake-model"},
                       "deployment": {"endpoint": {"devices": 1, "kind": "unified"}}}).resolved("default")
-    return EndpointCluster(v, v.deployment, label="client-test", log_dir=str(log_dir))
+    return EndpointCluster(v, v.deployment, label="client-test", log_dir=None if log_dir is None else str(log_dir))
 
 
 def drain(c, n: int, timeout: float = 120) -> tuple[dict, dict]:
@@ -89,3 +89,23 @@ def test_a_loop_that_cannot_be_made_fails_start_instead_of_hanging_it(monkeypatc
     c = client_loop.ClientLoop("broken", 5.0)
     with pytest.raises(RuntimeError, match="no loop here"):
         c.start()
+
+
+def test_a_cluster_without_a_run_directory_writes_nothing(tmp_path, monkeypatch):
+    """A client of its own (a benchmark) has no run directory to record what served it: nothing is written,
+    not even a scratch folder left behind in the temp directory."""
+    import os
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    server = FakeServer(tmp_path, "--token-s", "0.001")
+    try:
+        with cluster_for(server, None) as c:
+            c.start()
+            c.submit("0", [1, 2, 3], {"max_tokens": 3})
+            _, done = drain(c, 1)
+    finally:
+        server.stop()
+    assert done["0"].ok and os.listdir(scratch) == [] and not (tmp_path / "client-test.json").exists()

@@ -22,7 +22,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import tempfile
 import time
 import weakref
 from dataclasses import dataclass
@@ -62,13 +61,14 @@ class _Slot:
 
 
 class ExternalCluster(ClientCluster):
-    def __init__(self, v: Any, deployment: Any, *, label: str, log_dir: Optional[str] = None):
+    def __init__(self, v: Any, deployment: Any, *, label: str, log_dir: str):
         """`v`: a resolved Variant (model, engine, backend, seed); `deployment` may differ from v's
-        (calibration runs one unified worker); `label` names its server logs in `log_dir`."""
+        (calibration runs one unified worker); `label` names its server logs in `log_dir` (a run directory's
+        `servers/`: the logs outlive the servers, for whoever reads why one failed)."""
         self.placements = place(deployment)  # raises ClusterError: nothing has started yet
         super().__init__(label, deployment.step_timeout_s)
         self.v, self.deployment, self.label = v, deployment, label
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="pdlab-servers-")
+        self.log_dir = log_dir
         self.slots: dict[str, _Slot] = {}
 
     @property

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
@@ -36,7 +35,7 @@ class EndpointCluster(ClientCluster):
     def __init__(self, v: Any, deployment: Any, *, label: str, log_dir: Optional[str] = None):
         super().__init__(label, deployment.step_timeout_s)
         self.v, self.backend, self.deployment, self.label = v, v.backend, deployment, label
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="pdlab-servers-")
+        self.log_dir = log_dir  # None: no run directory, and nothing written (a client of its own, a benchmark)
         ep = deployment.endpoint
         self.name = ep.label or urlsplit(self.backend.url).netloc
         self._key = api_key(self.backend, f"variants.{v.name}")  # in memory only: never written, never quoted
@@ -77,6 +76,8 @@ class EndpointCluster(ClientCluster):
         info = {"backend": "endpoint", **(self.info.to_dict() if self.info else {}), "label": self.name,
                 "kind": ep.kind, "devices": ep.devices, "api_key_env": self.backend.api_key_env,
                 "prefix_cache_reset": dict(self.resets)}
+        if self.log_dir is None:
+            return
         os.makedirs(self.log_dir, exist_ok=True)
         with open(os.path.join(self.log_dir, f"{self.label}.json"), "w") as f:
             json.dump(info, f, indent=2)

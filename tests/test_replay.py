@@ -9,7 +9,6 @@ import pytest
 
 from cli_helpers import pdlab
 from pdlab.measure.records import Run
-from pdlab.measure.summary import summarize_run
 from pdlab.recipe import TimingProfile, load_profile, parse_recipe
 from pdlab.recipe.timing import HostTiming, StepTiming
 from pdlab.sim.experiment import simulate_recipe
@@ -42,8 +41,7 @@ def fake_run(box: TimingProfile, tmp_path) -> Run:
     model.timing (workers ran the model)."""
     r = parse_recipe(recipe(box))
     res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
-    s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: r.rates for n in r.variants},
-                      **res.facts)
+    s = res.summary()
     raw = recipe(PROFILE)
     raw["model"] = {"preset": "tiny-llama", "check_timing": PROFILE.to_raw()}
     return Run(path=str(tmp_path), recipe=raw, env={}, summary=s, requests=res.requests, steps=res.steps,
@@ -82,9 +80,7 @@ def test_a_run_on_a_box_uniformly_slower_than_its_profile_replays_to_its_own_fig
     # the forecast from the profile as measured misses by the box's drift
     forecast = parse_recipe(dict(recipe(PROFILE), rates=[20, ".inf"]))
     f = simulate_recipe(forecast, {n: build_workload(v) for n, v in forecast.variants.items()})
-    s = summarize_run(f.requests, f.steps, f.transfers, f.slo, grid={n: forecast.rates for n in forecast.variants},
-                      **f.facts)
-    miss = compare(figures(run.requests, run.summary), figures(f.requests, s))
+    miss = compare(figures(run.requests, run.summary), figures(f.requests, f.summary()))
     sat = [r["saturation"]["error"] for r in miss["rows"] if "saturation" in r]
     assert all(e > 0.2 for e in sat)  # 1.4x faster steps: over a fifth more throughput
     assert any("saturation output tok/s" in line for line in table(miss))

@@ -12,7 +12,6 @@ import pytest
 import yaml
 
 from cli_helpers import pdlab as pdlab_here
-from pdlab.measure.summary import summarize_run
 from pdlab.recipe import parse_recipe
 from pdlab.sim.experiment import simulate_recipe
 from pdlab.sim.simulator import Simulator
@@ -127,8 +126,7 @@ def test_a_recipe_simulates_with_search_repeats_and_a_relative_slo():
                slo={"ttft": "5x", "itl": "5x", "itl_stat": "max"})
     res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
     assert res.slo.ttft_ms == pytest.approx(5 * res.facts["alone"]["ttft_ms"])
-    s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: "auto" for n in r.variant_names},
-                      **res.facts)
+    s = res.summary()
     for name in ("u", "push"):
         g = s["variants"][name]["goodput"]
         assert g["n"] == 2 and g["mean"] > 0 and s["variants"][name]["mode"] == "search"

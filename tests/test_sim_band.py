@@ -8,7 +8,6 @@ import yaml
 
 from cli_helpers import pdlab
 from pdlab.constants import DRIFT_KEEP, DRIFT_MIN_FACTORS
-from pdlab.measure.summary import summarize_run
 from pdlab.recipe import load_profile, parse_recipe
 from pdlab.recipe.timing import Drift, TimingProfile
 from pdlab.sim.band import forecast_band, lines
@@ -64,8 +63,7 @@ def test_a_band_at_the_runs_own_pace_holds_the_run_and_the_point_forecast_does_n
             assert r[k]["lo"] == pytest.approx(r[k]["real"], rel=1e-6, abs=1e-9), (r["variant"], r["rate"], k)
     assert all(a == b for a, b in within(rows).values())
     # the point forecast, at the profile's pace, is 1.3x too fast: its saturation misses beyond the target
-    s = summarize_run(res.requests, res.steps, res.transfers, res.slo,
-                      grid={n: res.recipe.rates for n in res.recipe.variants}, **res.facts)
+    s = res.summary()
     sim = figures(res.requests, s)
     assert all(sim[v]["inf"]["output_tok_s"] > (1 + TARGETS["saturation"]) * real[v]["inf"]["output_tok_s"]
                for v in real)

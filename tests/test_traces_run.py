@@ -7,7 +7,6 @@ import pytest
 import yaml
 
 from cli_helpers import pdlab as pdlab_here
-from pdlab.measure.summary import summarize_run
 from pdlab.recipe import parse_recipe
 from pdlab.sim.experiment import simulate_recipe
 from pdlab.traces.report import describe
@@ -30,8 +29,7 @@ RECIPE = {
 def test_a_simulated_replay_reports_the_traces_reuse_beside_the_measured_hit_rate():
     r = parse_recipe(RECIPE)
     res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
-    s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: r.rates for n in r.variants},
-                      **res.facts)
+    s = res.summary()
     t = s["trace"]
     assert t["format"] == "mooncake" and t["requests"] == 24 and t["block_size"] == 64
     assert t["nominal_rate"] == pytest.approx(r.rates[0])  # rates: [trace] is its own pace

@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
-from pdlab.measure.summary import summarize_run
 from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.sim.experiment import simulate_recipe
 
@@ -117,8 +116,7 @@ def plan(recipe: Recipe, budget: int, workloads_for: Any, modes: tuple[str, ...]
                 for c in cands}
     planned = replace(recipe, variants=variants)
     res = simulate_recipe(planned, workloads_for(planned), progress=progress)
-    s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: base.rates for n in variants},
-                      **res.facts)
+    s = res.summary()
     out = []
     for c in cands:
         g = s["variants"][c.name]["goodput"]

@@ -33,7 +33,11 @@ band, the recipe simulated with every worker at the slow and the fast end of tha
 each real figure is counted inside the band and within its target of it. The held-out runs never feed the
 profile. A second forecast is scored beside the first, from a copy of the profile that also took the
 calibration run's host time and contention (--write-host: the factors beside stepping workers a fresh profile
-leaves at 1). DIR/validation.json keeps every figure; the runs stay in DIR for pdlab compare.
+leaves at 1). With --accumulate (the default with --calibrate) each recipe's real runs go into the drift once
+that recipe is scored, as a user adds each run checked (`--write-drift`): the next recipes' bands then hold
+the box's pace over minutes of sustained load, which one short calibration right after the profile does not
+see; a recipe's own runs never feed its own forecast, and the point forecast never reads the drift.
+DIR/validation.json keeps every figure; the runs stay in DIR for pdlab compare.
 """
 
 from __future__ import annotations
@@ -215,6 +219,9 @@ def main() -> int:
                     help="run a calibration recipe of its own length mix once, for real, and write its pace into the "
                          "profile's drift (pdlab profile --check --write-drift), so each forecast has a band "
                          "(default: on; a given --profile is copied into --out first)")
+    ap.add_argument("--accumulate", action=argparse.BooleanOptionalAction, default=True,
+                    help="with --calibrate: write each recipe's real runs into the drift once it is scored, for the "
+                         "bands of the recipes after it (default: on)")
     ap.add_argument("--again", action=argparse.BooleanOptionalAction, default=True,
                     help="run each real recipe twice and hold the two real runs to the targets against each other "
                          "(default: on)")
@@ -257,7 +264,10 @@ def main() -> int:
         shutil.copyfile(profile, calibrated)
         out = run(py + ["profile", "--check", cal, "--profile", profile, "--write-drift"],
                   os.path.join(args.out, "calibration-check.log"))
-        results["calibration"] = {"recipe": raw, "drift": out.strip().splitlines()[-1]}
+        from pdlab.recipe import load_profile
+
+        results["calibration"] = {"recipe": raw, "drift": out.strip().splitlines()[-1],
+                                  "drift_raw": load_profile(profile).drift.to_raw()}  # before any recipe's runs
         print(f"  {results['calibration']['drift']}")
         out = run(py + ["profile", "--check", cal, "--profile", calibrated, "--write-host"],
                   os.path.join(args.out, "calibration-host.log"))
@@ -283,12 +293,17 @@ def main() -> int:
         fb = json.load(open(os.path.join(sim, "summary.json"))).get("forecast_band")
         band = covered(figures(real), fb) if fb else None
         results["recipes"][name] = {"recipe": raw, "comparison": cmp, "check": check, "replay": paced,
-                                    "again": again, "band": fb, "band_rows": band}
+                                    "again": again, "band": fb, "band_rows": band,
+                                    "drift": (fb or {}).get("variants")}  # the pace band each variant's was
         if args.calibrate:
             sim2 = os.path.join(args.out, f"{name}-sim-calibrated")
             run(py + ["run", path, "--simulate", "--set", f"model.timing={calibrated}", "--out", sim2],
                 os.path.join(args.out, f"{name}-sim-calibrated.log"))
             results["recipes"][name]["calibrated"] = compare(figures(real), figures(sim2))
+        if args.calibrate and args.accumulate:  # scored: its runs join the drift of the recipes after it
+            for i, done in enumerate([real] + ([real2] if args.again else [])):
+                run(py + ["profile", "--check", done, "--profile", profile, "--write-drift"],
+                    os.path.join(args.out, f"{name}-drift{i}.log"))
         render(name, cmp, check, paced, again, band)
         if args.calibrate:
             print("  the forecast from the profile with the calibration run's host time and contention "

@@ -131,6 +131,9 @@ SPREAD_LEVELS = (0.01, 0.05, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.98, 0.99)
 DRIFT_LEVELS = (0.05, 0.95)
 DRIFT_MIN_FACTORS = 4
 DRIFT_KEEP = 256
+# A decode worker whose running batch reached this share of engine.max_running in a rate is near its slot cliff
+# (pdlab.measure.slots): past it, admitted requests wait for a slot and that wait is their first ITL gap
+SLOTS_NEAR = 0.9
 PACE_DRIFT = 0.1  # a run's pace this far from its profile's (pdlab.timing.pace) is named in profile-check warnings
 PROFILE_MIN_R2 = 0.9  # pdlab profile: held-out R^2 (overall or of a kind) below this
 PROFILE_MAX_P90_PCT = 25.0  # pdlab profile: held-out p90 percentage error above this

@@ -134,6 +134,7 @@ class Harness:
                 "relative": {"ttft": slo.ttft, "itl": slo.itl} if slo.relative else None,
                 "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
                                     for n, v in self.recipe.variants.items()},
+                "max_running": {n: v.engine.max_running for n, v in self.recipe.variants.items()},
                 "floors": {k: s["floor"] for k, s in self.searches.items() if s.get("floor")},
                 "warnings": list(warnings) + self.kernels.warnings + self._calibration_check() + check_warnings,
                 "profile_check": checks,

@@ -27,6 +27,7 @@ from pdlab.kv.ucx_log import rma_over_tcp
 from pdlab.measure.box import alone_finding, over_line, over_saturation
 from pdlab.measure.confidence import estimate
 from pdlab.measure.metrics import as_rate, summarize_rate
+from pdlab.measure.slots import decode_slots, warning
 from pdlab.measure.search import goodput_of
 from pdlab.recipe.slo import SLO
 from pdlab.traces.report import trace_summary
@@ -147,7 +148,7 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                   run: Optional[dict] = None, trace: Optional[dict[str, dict]] = None,
                   kernels: Optional[dict[str, dict]] = None,
                   rates_resolved: Optional[dict[str, float]] = None, profile_check: Optional[dict] = None,
-                  forecast_band: Optional[dict] = None) -> dict:
+                  forecast_band: Optional[dict] = None, max_running: Optional[dict[str, int]] = None) -> dict:
     """The summary of a run. `grid`: variant -> planned rates or "auto" (variants in run order; one that has no
     records is listed with `ran: false`); default: the variants found in the records. `alone`: the
     calibration ({ttft_ms, itl_ms, ...}); `relative`: the SLO multipliers it resolved; `floors`: (variant,
@@ -155,7 +156,8 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
     `alone_by_variant`: one request alone on each variant's own deployment, the D of its M/D/1 check
     (default: the calibration's); `modelled`: variant -> which timing model its times come from (its
     times are then not the hardware's); `expect`: the recipe's expectation of this box (pdlab.recipe.Expect:
-    alone_ttft_ms, tolerance); `run`: what ran (`run_info`); `forecast_band`: a simulation's band (pdlab.sim.band)."""
+    alone_ttft_ms, tolerance); `run`: what ran (`run_info`); `forecast_band`: a simulation's band (pdlab.sim.band);
+    `max_running`: variant -> its engine.max_running, for its decode workers' slots (pdlab.measure.slots)."""
     rq, st, tr = _by(requests), _by(steps), _by(transfers)
     names = list(grid) if grid is not None else list(dict.fromkeys(v for v, _, _ in rq))
     alone_s = alone["ttft_ms"] / 1000.0 if alone and alone.get("ttft_ms") else None
@@ -211,6 +213,13 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
                         "hits, shorter prompts), so the check says nothing about the harness")
             warn.append(f"{v}: mean TTFT at {worst['rate']:g} req/s is {worst['measured_ms']:.0f} ms against "
                         f"{worst['predicted_ms']:.0f} ms from M/D/1 ({worst['deviation']:+.0%}): {why}")
+        cap = (max_running or {}).get(v)
+        if cap:
+            slots = decode_slots([x for k, xs in st.items() if k[0] == v for x in xs], cap)
+            variants[v]["decode_slots"] = {"max_running": cap, "rates": slots} if slots else None
+            line = warning(v, slots, cap, (modelled or {}).get(v))
+            if line:
+                warn.append(line)
         if reps and not variants[v]["goodput"]["monotonic"]:
             warn.append(f"{v}: attainment is not monotonic in rate; goodput is bounded by the first failing rate")
     warn += _nixl_over_tcp(transfers)

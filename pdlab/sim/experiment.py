@@ -117,6 +117,7 @@ def simulate_recipe(recipe: Recipe, workloads: dict[str, Workload], progress: An
                  "relative": {"ttft": recipe.slo.ttft, "itl": recipe.slo.itl} if recipe.slo.relative else None,
                  "prefill_workers": {n: sum(w.role != "decode" for w in v.deployment.workers)
                                      for n, v in recipe.variants.items()},
+                 "max_running": {n: v.engine.max_running for n, v in recipe.variants.items()},
                  "floors": floors, "warnings": modelled_warnings({n: recipe.resolved(n) for n in recipe.variant_names}),
                  "rates_resolved": {w: relative_rate(w) * 1000.0 / alone["ttft_ms"] for w in written},
                  "modelled": {n: simulated(v) for n, v in recipe.variants.items()}, "trace": trace_facts(workloads)}

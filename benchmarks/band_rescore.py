@@ -39,7 +39,8 @@ def main() -> int:
 
     path = os.path.join(args.out, "validation.json")
     if not os.path.isfile(path):
-        print(f"error: {args.out}: no validation.json (run benchmarks/timing_validation.py --out there)", file=sys.stderr)
+        print(f"error: {args.out}: no validation.json (run benchmarks/timing_validation.py --out there)",
+              file=sys.stderr)
         return 2
     done = json.load(open(path))
     names = list(done["recipes"])  # in the order they ran

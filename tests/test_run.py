@@ -62,6 +62,21 @@ def test_every_request_served_and_disaggregated_equals_unified(tiny_run):
 
 
 @pytest.mark.slow
+def test_a_runs_decode_slots_are_its_decode_workers_steps_against_max_running(tiny_run):
+    from pdlab.measure.slots import decode_slots
+
+    run = load_run(tiny_run)
+    got = run.summary["variants"]["disagg"]["decode_slots"]
+    assert got["max_running"] == 8
+    assert got["rates"] == decode_slots([s for s in run.steps if s["variant"] == "disagg"], 8)
+    peak = max(s["running"] for s in run.steps if s["variant"] == "disagg" and s["role"] == "decode"
+               and not s.get("warmup") and s["rate"] in ("inf", float("inf")))
+    assert got["rates"]["inf"]["decode0"]["peak"] == peak <= 6  # six requests: far from 8 slots, no warning
+    assert run.summary["variants"]["unified"]["decode_slots"] is None
+    assert not any("slots" in w for w in run.summary["warnings"])
+
+
+@pytest.mark.slow
 def test_the_run_records_which_kernels_each_worker_ran(tiny_run):
     """env.json and the summary say, per variant and worker, which CPU kernels ran and why the others did not."""
     run = load_run(tiny_run)

@@ -74,6 +74,7 @@ def main() -> int:
             ran = os.path.join(args.out, f"{name}-real{x}")
             if os.path.isdir(ran):
                 rr = load_run(ran)
+                # every variant of a validation runs its model (timing.drift.checked_variants would keep them all)
                 factors = run_factors(profile, rr.steps, sorted({s["variant"] for s in rr.steps}))
                 drift = merged(drift, factors, str(rr.env.get("time") or ran))
     for which, t in totals.items():

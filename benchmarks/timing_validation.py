@@ -26,18 +26,18 @@ requests a rate, twice: at 16 once, a real run met the targets against itself in
 twice in 22-23 (BENCHMARKS.md). A ranking that differs only between deployments within the target of each other on both
 sides (a tie) is counted apart.
 
-A point forecast cannot know how fast the box will be minutes later. With --calibrate (the default) one more
-recipe, of a length mix of its own, runs for real right after the profile, and its workers' pace against the
-profile goes into the profile's drift (pdlab profile --check --write-drift); every forecast then carries a
-band, the recipe simulated with every worker at the slow and the fast end of that drift (pdlab.sim.band), and
-each real figure is counted inside the band and within its target of it. The held-out runs never feed the
-profile. A second forecast is scored beside the first, from a copy of the profile that also took the
-calibration run's host time and contention (--write-host: the factors beside stepping workers a fresh profile
-leaves at 1). With --accumulate (the default with --calibrate) each recipe's real runs go into the drift once
-that recipe is scored, as a user adds each run checked (`--write-drift`): the next recipes' bands then hold
-the box's pace over minutes of sustained load, which one short calibration right after the profile does not
-see; a recipe's own runs never feed its own forecast, and the point forecast never reads the drift.
-DIR/validation.json keeps every figure; the runs stay in DIR for pdlab compare.
+A point forecast cannot know how fast the box will be minutes later. With --calibrate (the default) one more recipe,
+of a length mix of its own, runs for real right after the profile, and its workers' pace against the profile goes
+into the profile's drift (pdlab profile --check --write-drift); every forecast then carries a band, the recipe
+simulated with every worker at the slow and the fast end of that drift (pdlab.sim.band), and each real figure is
+counted inside the band and within its target of it. A recipe's runs never feed its own forecast, and none feeds the
+step model. A second forecast is scored beside the first, from a copy of the profile that also took the calibration
+run's host time and contention (--write-host: the factors beside stepping workers a fresh profile leaves at 1). With
+--accumulate (the default with --calibrate) each recipe's real runs go into the drift once that recipe is scored, as
+a user adds each run checked (`--write-drift`): the next recipes' bands then hold the box's pace over minutes of
+sustained load, which one short calibration right after the profile does not see; a recipe's own runs never feed its
+own forecast, and the point forecast never reads the drift. DIR/validation.json keeps every figure; the runs stay in
+DIR for pdlab compare.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ RECIPES = {
 
 # the calibration run (--calibrate): a length mix of its own, run once for real before the held-out recipes; its
 # workers' pace against the profile becomes the profile's drift (pdlab profile --check --write-drift), which
-# gives each forecast its band (pdlab.sim.band); the held-out runs never feed the profile
+# gives each forecast its band (pdlab.sim.band); with --accumulate each recipe's runs join it once scored
 CALIBRATION = ({"input_len": {"kind": "uniform", "min": 200, "max": 1000},
                 "output_len": {"kind": "uniform", "min": 24, "max": 128}}, {}, "pull")
 
@@ -96,7 +96,6 @@ def base_recipe(name: str, requests: int, repeats: int) -> dict:
 
 def plan_rates(raw: dict, profile: str) -> dict:
     """The recipe with absolute rates and SLO from the profile's simulation (the same for both runs)."""
-    from pdlab.measure.summary import summarize_run
     from pdlab.recipe import parse_recipe
     from pdlab.sim.experiment import simulate_recipe
     from pdlab.workload import build_workload
@@ -105,8 +104,7 @@ def plan_rates(raw: dict, profile: str) -> dict:
                  model=dict(raw["model"], timing=profile))
     r = parse_recipe(probe)
     res = simulate_recipe(r, {n: build_workload(v) for n, v in r.variants.items()})
-    s = summarize_run(res.requests, res.steps, res.transfers, res.slo, grid={n: r.rates for n in r.variants},
-                      **res.facts)
+    s = res.summary()
     sat = min(s["variants"][n]["rates"]["inf"]["request_throughput"] for n in r.variants)
     alone = res.facts["alone"]
     out = dict(raw, rates=[round(f * sat, 3) for f in RATE_FRACTIONS] + [".inf"],
@@ -294,7 +292,7 @@ def main() -> int:
         band = covered(figures(real), fb) if fb else None
         results["recipes"][name] = {"recipe": raw, "comparison": cmp, "check": check, "replay": paced,
                                     "again": again, "band": fb, "band_rows": band,
-                                    "drift": (fb or {}).get("variants")}  # the pace band each variant's was
+                                    "drift": (fb or {}).get("variants")}  # each variant's pace band, as forecast
         if args.calibrate:
             sim2 = os.path.join(args.out, f"{name}-sim-calibrated")
             run(py + ["run", path, "--simulate", "--set", f"model.timing={calibrated}", "--out", sim2],

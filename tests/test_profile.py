@@ -321,5 +321,9 @@ def test_profile_command_line(tmp_path):
     assert r.exit_code == 2 and "--steps must be at least" in r.output
     r = CliRunner().invoke(app, ["profile", "--model", "no-such-model", "--steps", "20"])
     assert r.exit_code == 2 and "error:" in r.output and r.output.count("\n") == 1
+    r = CliRunner().invoke(app, ["profile", "--model", "tiny-llama", "--dtype", "float64",
+                                 "--out", str(tmp_path / "x.yaml")])
+    assert r.exit_code == 2 and "--dtype must be one of float32" in r.output and r.output.count("\n") == 1
+    assert not (tmp_path / "x.yaml").exists()
     assert default_out("cpu-demo", "cpu") == "profiles/cpu-demo-cpu.yaml"
     assert default_out("/models/Qwen3-0.6B/", "cuda:0") == "profiles/Qwen3-0.6B-cuda0.yaml"

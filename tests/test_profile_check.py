@@ -489,11 +489,17 @@ def test_a_profile_names_the_model_it_was_measured_on_and_a_check_compares_it(tm
 
     prof = TimingProfile(name="box", step=STEP, model="cpu-demo", fit={"dtype": "float32"})
     assert other_model(prof, model({"preset": "cpu-demo"})) is None
-    assert other_model(prof, model({"preset": "tiny-llama"})) == \
-        "model tiny-llama, float32 (profile: cpu-demo, float32)"
+    assert other_model(prof, model({"preset": "tiny-llama"})) == "ran tiny-llama float32; the profile, cpu-demo float32"
     assert "bfloat16" in other_model(prof, model({"preset": "cpu-demo", "dtype": "bfloat16"}))
+    bf16 = prof.replace(fit={"dtype": "bf16"})  # spelled as --dtype took it: one dtype
+    assert other_model(bf16, model({"preset": "cpu-demo", "dtype": "bfloat16"})) is None
+    assert other_model(prof.replace(fit={"dtype": "auto"}), model({"preset": "cpu-demo", "dtype": "bfloat16"})) is None
     assert other_model(TimingProfile(name="old", step=STEP), model({"preset": "tiny-llama"})) is None  # says none
     (tmp_path / "m").mkdir()
+    (tmp_path / "n").mkdir()
     at = TimingProfile(name="box", step=STEP, model=str(tmp_path / "m"))
     monkeypatch.chdir(tmp_path)
     assert other_model(at, model({"path": "./m"})) is None  # one directory, named two ways
+    assert other_model(at, model({"path": "./n"})) is not None  # another directory
+    assert other_model(at, model({"preset": "cpu-demo"})) is not None  # a preset, not that directory
+    assert other_model(at, model({"path": "Qwen/Qwen3-0.6B"})) is None  # a hub id here: cannot be told, not claimed

@@ -69,7 +69,7 @@ def test_a_runs_decode_slots_are_its_decode_workers_steps_against_max_running(ti
     got = run.summary["variants"]["disagg"]["decode_slots"]
     assert got["max_running"] == 8
     assert got["rates"] == decode_slots([s for s in run.steps if s["variant"] == "disagg"], 8)
-    peak = max(s["running"] for s in run.steps if s["variant"] == "disagg" and s["role"] == "decode"
+    peak = max(s["decode_seqs"] for s in run.steps if s["variant"] == "disagg" and s["role"] == "decode"
                and not s.get("warmup") and s["rate"] in ("inf", float("inf")))
     assert got["rates"]["inf"]["decode0"]["peak"] == peak <= 6  # six requests: far from 8 slots, no warning
     assert run.summary["variants"]["unified"]["decode_slots"] is None

@@ -186,11 +186,12 @@ def test_a_run_of_another_model_is_named_by_the_check_and_never_written_into_the
                                                          "pdlab_timing_profile": 1})
     before = open(other).read()
     r = pdlab("profile", "--check", str(folder), "--profile", other)
-    assert r.returncode == 0 and "measured on another model than this run's (model tiny-llama" in r.stdout
+    assert r.returncode == 0 and "measured on another model or dtype than this run (ran tiny-llama" in r.stdout
     for flag in ("--write-drift", "--write-host"):
         r = pdlab("profile", "--check", str(folder), "--profile", other, flag)
         assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
-        assert f"{flag}: this run ran another model than {other}" in r.stderr and "profile: cpu-demo" in r.stderr
+        assert f"{flag}: this run ran another model or dtype than {other}" in r.stderr
+        assert "the profile, cpu-demo" in r.stderr
         assert open(other).read() == before
     same = write_profile(str(tmp_path / "same.yaml"), {**PROFILE.to_raw(), "pdlab_timing_profile": 1})
     r = pdlab("profile", "--check", str(folder), "--profile", same, "--write-drift")

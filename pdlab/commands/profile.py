@@ -19,6 +19,8 @@ import re
 import sys
 from typing import Optional
 
+from pdlab.constants import DTYPES
+
 DEFAULT_STEPS = 400
 MIN_STEPS = 12
 TEST_FRACTION = 0.3
@@ -73,6 +75,10 @@ def main(model: str = "cpu-demo", device: str = "cpu", dtype: Optional[str] = No
             return _err(f"--cores {cores}: this process may use cores {','.join(map(str, mine))}")
     else:
         picked = default_cores(threads or 1)
+    if dtype is not None:  # as a recipe spells it (bf16 is bfloat16): the profile records the one a run compares
+        if dtype.lower() not in DTYPES:
+            return _err(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+        dtype = DTYPES[dtype.lower()]
     if threads is not None and cores is not None and threads != len(picked):
         return _err(f"--threads {threads} with --cores {cores}: a worker runs one thread per core; give one")
 
@@ -110,7 +116,9 @@ def main(model: str = "cpu-demo", device: str = "cpu", dtype: Optional[str] = No
     from pdlab.timing.build import build_profile
     from pdlab.timing.write import write_profile
 
-    raw, report = build_profile(res, model=model, device=device, dtype=dtype, steps=steps, seed=seed,
+    # a directory by its absolute path: a check from another folder still knows the model (timing.check)
+    stored = os.path.abspath(os.path.expanduser(model)) if os.path.isdir(os.path.expanduser(model)) else model
+    raw, report = build_profile(res, model=stored, device=device, dtype=dtype, steps=steps, seed=seed,
                                 test_fraction=TEST_FRACTION, host=host_est, name=_name(out))
     header = _header(model, device, dtype, steps, seed, res, picked)
     try:
@@ -160,7 +168,8 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
 
     flag = " and ".join(f for f, on in (("--write-host", write_host), ("--write-drift", write_drift)) if on)
     if (write_host or write_drift) and profile is None:
-        return _err(f"{flag} needs --profile FILE: the profile to write the run's figures into")
+        return _err(f"{flag} {'need' if ' and ' in flag else 'needs'} --profile FILE: the profile to write the run's "
+                    "figures into")
     if (write_host or write_drift) and not os.path.isfile(os.path.expanduser(profile)):
         return _err(f"{flag}: --profile {profile} is not a file (a shipped profile is never written: copy it to "
                     "a file and name that)")
@@ -189,15 +198,15 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
         print(f"  {line}")
     for w in warnings:
         print(f"warning: {w}")
+    if write_host or write_drift:
+        other = [f"{n} {c['other_model']}" for n, c in checks.items() if c.get("other_model")]
+        if other:
+            return _err(f"{flag}: this run ran another model or dtype than {profile} was measured on "
+                        f"({'; '.join(other)}): its figures would measure the mismatch, not the box; nothing written")
     if replay:
         code = _replay(run, given, checks)
         if code:
             return code
-    if write_host or write_drift:
-        other = [f"{n}: {c['other_model']}" for n, c in checks.items() if c.get("other_model")]
-        if other:
-            return _err(f"{flag}: this run ran another model than {profile} was measured on ({'; '.join(other)}): "
-                        "its figures would measure the mismatch, not the box; nothing written")
     if write_host and (code := _write_host(checks, profile)):
         return code
     if write_drift:

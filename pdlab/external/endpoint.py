@@ -71,13 +71,14 @@ class EndpointCluster(ClientCluster):
         return self.tokenizer is not None
 
     def _write_info(self) -> None:
-        """What served the variant (never the key: only the name of its variable)."""
+        """What served the variant (never the key: only the name of its variable), in the run directory's
+        servers/ (none without one)."""
+        if self.log_dir is None:
+            return
         ep = self.deployment.endpoint
         info = {"backend": "endpoint", **(self.info.to_dict() if self.info else {}), "label": self.name,
                 "kind": ep.kind, "devices": ep.devices, "api_key_env": self.backend.api_key_env,
                 "prefix_cache_reset": dict(self.resets)}
-        if self.log_dir is None:
-            return
         os.makedirs(self.log_dir, exist_ok=True)
         with open(os.path.join(self.log_dir, f"{self.label}.json"), "w") as f:
             json.dump(info, f, indent=2)

@@ -15,7 +15,7 @@ a step (`running`) and the share of its steps that ran every slot with requests 
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Optional
 
 from pdlab.constants import SLOTS_NEAR
 from pdlab.measure.metrics import as_rate
@@ -24,34 +24,37 @@ from pdlab.workload import rate_tag
 
 def decode_slots(steps: list[dict], max_running: int) -> dict[str, dict[str, dict]]:
     """rate tag -> decode worker -> {peak, full, steps} over one variant's steps (warm-up left out): `peak` the
-    most sequences a step ran, `full` the share of its steps that ran `max_running` with requests waiting."""
-    by: dict[tuple[Any, str], list[dict]] = defaultdict(list)
+    most sequences a step decoded, `full` the share of its steps after which all `max_running` slots were taken
+    (`running`, counted once the step's finished requests left) with requests waiting for one."""
+    by: dict[tuple[str, str], list[dict]] = defaultdict(list)
     for s in steps:
         if s.get("role") == "decode" and not s.get("warmup") and s.get("running") is not None:
-            by[(s["rate"], s["worker"])].append(s)
+            by[(rate_tag(as_rate(s["rate"])), s["worker"])].append(s)
     out: dict[str, dict[str, dict]] = {}
-    for (rate, worker), ss in by.items():
+    for (tag, worker), ss in by.items():
         full = sum(1 for s in ss if s["running"] >= max_running and (s.get("waiting") or 0) > 0)
-        out.setdefault(rate_tag(as_rate(rate)), {})[worker] = {"peak": max(s["running"] for s in ss),
-                                                      "full": full / len(ss), "steps": len(ss)}
+        peak = max(s.get("decode_seqs", s["running"]) for s in ss)
+        out.setdefault(tag, {})[worker] = {"peak": peak, "full": full / len(ss), "steps": len(ss)}
     return out
 
 
-def warning(variant: str, slots: dict[str, dict[str, dict]], max_running: int,
-            modelled: Optional[str] = None) -> Optional[str]:
+def slots_warning(variant: str, slots: dict[str, dict[str, dict]], max_running: int,
+                  modelled: Optional[str] = None) -> Optional[str]:
     """One line where a decode worker ran every slot with requests waiting, or came within SLOTS_NEAR of it; the
-    rate where it came closest (None: never near)."""
+    rate where it came closest (None: never near). `modelled`: what the variant's times came from (summary.json
+    `modelled`: a simulation's, or a timed run's model), said beside the rate."""
     near = [(w["full"], w["peak"], tag, name) for tag, ws in slots.items() for name, w in ws.items()
             if w["peak"] >= SLOTS_NEAR * max_running]
     if not near:
         return None
     full, peak, tag, name = max(near)
-    said = " (simulated)" if modelled else ""
+    said = ("" if not modelled else " (simulated)" if modelled.startswith("simulated")
+            else " (under its timing model)")
     if full > 0:
         what = (f"ran all {max_running} of its slots (engine.max_running) with requests waiting in {full:.0%} of its "
                 f"steps at {tag} req/s{said}: an admitted request's first gap is then its wait for a slot")
     else:
-        what = (f"ran up to {peak} of its {max_running} slots (engine.max_running) at {tag} req/s{said}: a little "
+        what = (f"decoded up to {peak} of its {max_running} slots (engine.max_running) at {tag} req/s{said}: a little "
                 "more load or slower decode steps and admitted requests wait for a slot, their first gap that wait")
     return (f"{variant}: decode worker {name} {what}, so ITL there rises far faster than load or step time; "
             "more slots (engine.max_running) or another decode worker move the cliff")

@@ -27,8 +27,8 @@ from pdlab.kv.ucx_log import rma_over_tcp
 from pdlab.measure.box import alone_finding, over_line, over_saturation
 from pdlab.measure.confidence import estimate
 from pdlab.measure.metrics import as_rate, summarize_rate
-from pdlab.measure.slots import decode_slots, warning
 from pdlab.measure.search import goodput_of
+from pdlab.measure.slots import decode_slots, slots_warning
 from pdlab.recipe.slo import SLO
 from pdlab.traces.report import trace_summary
 from pdlab.workload import rate_tag
@@ -214,12 +214,11 @@ def summarize_run(requests: list[dict], steps: list[dict], transfers: list[dict]
             warn.append(f"{v}: mean TTFT at {worst['rate']:g} req/s is {worst['measured_ms']:.0f} ms against "
                         f"{worst['predicted_ms']:.0f} ms from M/D/1 ({worst['deviation']:+.0%}): {why}")
         cap = (max_running or {}).get(v)
-        if cap:
-            slots = decode_slots([x for k, xs in st.items() if k[0] == v for x in xs], cap)
-            variants[v]["decode_slots"] = {"max_running": cap, "rates": slots} if slots else None
-            line = warning(v, slots, cap, (modelled or {}).get(v))
-            if line:
-                warn.append(line)
+        slots = decode_slots([x for k, xs in st.items() if k[0] == v for x in xs], cap) if cap else {}
+        variants[v]["decode_slots"] = {"max_running": cap, "rates": slots} if slots else None
+        line = slots_warning(v, slots, cap, (modelled or {}).get(v)) if slots else None
+        if line:
+            warn.append(line)
         if reps and not variants[v]["goodput"]["monotonic"]:
             warn.append(f"{v}: attainment is not monotonic in rate; goodput is bounded by the first failing rate")
     warn += _nixl_over_tcp(transfers)

@@ -17,7 +17,8 @@ import os
 import statistics
 from typing import Any, Optional
 
-from pdlab.constants import PACE_DRIFT, PROFILE_CHECK_MAPE_PCT
+from pdlab.constants import DTYPES, PACE_DRIFT, PROFILE_CHECK_MAPE_PCT
+from pdlab.engine.model import PRESETS
 from pdlab.timing.contention import SPREADS, contention_raw, estimate, tail
 from pdlab.timing.fit import KINDS, StepSample, errors, predict
 from pdlab.timing.host import FIGURES, host_times
@@ -104,26 +105,42 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
     return out
 
 
-def _model_key(source: str) -> str:
-    """A model source as compared: a directory by its real path (a relative and an absolute path to the same
-    model are one model), a preset or hub id as written."""
-    path = os.path.expanduser(source)
-    return os.path.realpath(path) if os.path.isdir(path) else source
+def _same_model(measured: str, ran: str) -> Optional[bool]:
+    """Whether two model sources name one model: equal as written, or two directories with one real path (a
+    relative and an absolute path); None where it cannot be told (a path that does not resolve here, a hub id
+    beside a directory): then nothing is claimed."""
+    if measured == ran:
+        return True
+    a, b = (os.path.expanduser(x) for x in (measured, ran))
+    dirs = os.path.isdir(a), os.path.isdir(b)
+    if all(dirs):
+        return os.path.realpath(a) == os.path.realpath(b)
+    if not any(dirs) and measured in PRESETS and ran in PRESETS:
+        return False  # two presets
+    if any(dirs) and (measured in PRESETS or ran in PRESETS):
+        return False  # a preset and a directory
+    return None
+
+
+def _dtype(x: Optional[str]) -> Optional[str]:
+    """A dtype as compared (bf16 is bfloat16); None for none or auto (the device decides: not known here)."""
+    d = DTYPES.get(str(x).lower()) if x else None
+    return None if d in (None, "auto") else d
 
 
 def other_model(profile: Any, model: Any) -> Optional[str]:
     """What differs between the model `profile` was measured on and the one a variant ran (`model`, a resolved
-    ModelSpec): 'model tiny-llama, float32 (profile: cpu-demo, float32)', or None when they are the same or the
-    profile does not say. A run of another model measures the mismatch, not the box: its figures must not go
-    into the profile (pdlab profile --check --write-host / --write-drift refuse them)."""
-    ran_dtype = model.dtype
-    measured_dtype = (getattr(profile, "fit", None) or {}).get("dtype")
-    same_model = not profile.model or _model_key(profile.model) == _model_key(model.source)
-    same_dtype = not measured_dtype or not ran_dtype or measured_dtype == ran_dtype
+    ModelSpec): 'ran tiny-llama float32; the profile, cpu-demo float32', or None when they are the same or it
+    cannot be told (the profile does not say, a path that does not resolve here). A run of another model or
+    dtype measures the mismatch, not the box: its figures must not go into the profile (pdlab profile --check
+    --write-host / --write-drift refuse them)."""
+    ran, measured = _dtype(model.dtype), _dtype((getattr(profile, "fit", None) or {}).get("dtype"))
+    same_model = not profile.model or _same_model(profile.model, model.source) is not False
+    same_dtype = ran is None or measured is None or ran == measured
     if same_model and same_dtype:
         return None
-    return (f"model {model.source}, {ran_dtype or 'its default dtype'} (profile: {profile.model or 'unnamed'}, "
-            f"{measured_dtype or 'dtype not recorded'})")
+    return (f"ran {model.source} {ran or model.dtype or 'at its default dtype'}; the profile, "
+            f"{profile.model or 'unnamed'} {measured or 'of an unrecorded dtype'}")
 
 
 def run_contention(profile: Any, v: Any, steps: list[dict]) -> dict:
@@ -174,7 +191,7 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         if c.get("kernels"):
             warn.append(c["kernels"])
         if c.get("other_model"):
-            warn.append(f"{name}: profile {c['profile']} was measured on another model than this run's "
+            warn.append(f"{name}: profile {c['profile']} was measured on another model or dtype than this run "
                         f"({c['other_model']}): its errors measure the mismatch, not the box")
         kinds = ", ".join(f"{k} {e['mape_pct']:.0f}% (x{e['ratio']:.2f}, {e['steps']})"
                           for k, e in c["kinds"].items() if e.get("steps"))

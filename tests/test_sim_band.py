@@ -196,3 +196,20 @@ def test_a_run_of_another_model_is_named_by_the_check_and_never_written_into_the
     same = write_profile(str(tmp_path / "same.yaml"), {**PROFILE.to_raw(), "pdlab_timing_profile": 1})
     r = pdlab("profile", "--check", str(folder), "--profile", same, "--write-drift")
     assert r.returncode == 0 and "another model" not in r.stdout and load_profile(same).drift.runs == 1
+
+
+def test_a_band_names_the_end_where_a_decode_worker_runs_out_of_slots():
+    """At the slow end of the drift the same load keeps more requests decoding at once: where that fills a decode
+    worker's slots (engine.max_running) the band says so at that end, and the point forecast, below it, does not."""
+    raw = recipe(PROFILE.replace(drift=Drift(factors=(0.8,) * 4 + (2.5,) * 4, runs=2)), rates=[10])
+    raw["engine"]["max_running"] = 6
+    raw["workload"].update(requests=16, output_len={"kind": "fixed", "value": 40})
+    del raw["variants"]["unified"]
+    r = parse_recipe(raw)
+    wl = {n: build_workload(v) for n, v in r.variants.items()}
+    res = simulate_recipe(r, wl)
+    band = forecast_band(res.recipe, res.slo, wl)
+    assert not any("slots" in w for w in res.summary()["warnings"])
+    assert band["slots"]["lo"] == [] and band["slots"]["hi"][0].startswith("pd: decode worker decode0 ran all 6")
+    text = lines(band, res.recipe)
+    assert [ln for ln in text if "slots" in ln] == [f"  at the slow end (x2.50): {band['slots']['hi'][0]}"]

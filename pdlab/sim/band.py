@@ -73,6 +73,8 @@ def forecast_band(recipe: Recipe, slo: SLO, workloads: dict[str, Any]) -> Option
         out[end] = figures(res.requests, s)
         out["goodput"][end] = {n: (vs.get("goodput") or {}).get("mean") for n, vs in s["variants"].items()
                                if vs.get("mode") == "search"}
+        # a decode worker at or near its slots at this end (pdlab.measure.slots): the cliff the pace moves
+        out.setdefault("slots", {})[end] = [w for w in s["warnings"] if " slots (engine.max_running)" in w]
     return out
 
 
@@ -109,4 +111,8 @@ def lines(band: Optional[dict], recipe: Recipe) -> list[str]:
         g = [band["goodput"][e].get(v) for e in ("lo", "hi")]
         if all(x is not None for x in g):
             out.append(f"  {v}: goodput {_span(g[0], g[1], 2)} req/s")
+        for end, what in (("hi", "slow"), ("lo", "fast")):  # the slow end first: where the cliff comes
+            pace = band["variants"][v]["pace"][1 if end == "hi" else 0]
+            out += [f"  at the {what} end (x{pace:.2f}): {w}" for w in band.get("slots", {}).get(end, ())
+                    if w.startswith(f"{v}: ")]
     return out

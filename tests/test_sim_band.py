@@ -8,6 +8,7 @@ import yaml
 
 from cli_helpers import pdlab
 from pdlab.constants import DRIFT_KEEP, DRIFT_MIN_FACTORS
+from pdlab.measure.slots import slots_warning
 from pdlab.recipe import load_profile, parse_recipe
 from pdlab.recipe.timing import Drift, TimingProfile
 from pdlab.sim.band import forecast_band, lines
@@ -210,6 +211,10 @@ def test_a_band_names_the_end_where_a_decode_worker_runs_out_of_slots():
     res = simulate_recipe(r, wl)
     band = forecast_band(res.recipe, res.slo, wl)
     assert not any("slots" in w for w in res.summary()["warnings"])
-    assert band["slots"]["lo"] == [] and band["slots"]["hi"][0].startswith("pd: decode worker decode0 ran all 6")
+    lo, hi = (band["slots"][end]["pd"] for end in ("lo", "hi"))
+    assert lo["max_running"] == hi["max_running"] == 6
+    assert slots_warning("pd", lo["rates"], 6) is None
+    line = slots_warning("pd", hi["rates"], 6, "simulated")
+    assert line.startswith("pd: decode worker decode0 ran all 6") and "(simulated)" in line
     text = lines(band, res.recipe)
-    assert [ln for ln in text if "slots" in ln] == [f"  at the slow end (x2.50): {band['slots']['hi'][0]}"]
+    assert [ln for ln in text if "slots" in ln] == [f"  at the slow end (x2.50): {line}"]

@@ -117,7 +117,8 @@ def main(model: str = "cpu-demo", device: str = "cpu", dtype: Optional[str] = No
     from pdlab.timing.write import write_profile
 
     # a directory by its absolute path: a check from another folder still knows the model (timing.check)
-    stored = os.path.abspath(os.path.expanduser(model)) if os.path.isdir(os.path.expanduser(model)) else model
+    where = os.path.expanduser(model)
+    stored = os.path.abspath(where) if os.path.isdir(where) else model
     raw, report = build_profile(res, model=stored, device=device, dtype=dtype, steps=steps, seed=seed,
                                 test_fraction=TEST_FRACTION, host=host_est, name=_name(out))
     header = _header(model, device, dtype, steps, seed, res, picked)

@@ -8,8 +8,8 @@ deployment (`max_running` 32) met 31 slots simulated and 32 real, and its ITL p9
 the same cell simulated with the decode steps 20% slower read 20 ms, 30% slower 49 ms (BENCHMARKS.md, issue 25).
 A forecast or a run near the limit says so, since the figure there moves far more than the pace does.
 
-Read from step records (a run's or a simulation's): per decode worker and rate, the most sequences it ran in
-a step (`running`) and the share of its steps that ran every slot with requests waiting beside them (`full`).
+Read from step records (a run's or a simulation's): per decode worker and rate, the most sequences a step
+decoded (`peak`) and the share of its steps after which every slot was taken with requests waiting (`full`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from dataclasses import replace
 from typing import Any, Optional
 
 from pdlab.constants import DRIFT_LEVELS
+from pdlab.measure.slots import slots_warning
 from pdlab.recipe import SLO, Recipe
 from pdlab.sim.pace import WorkerPace, paced_profile
 
@@ -73,8 +74,9 @@ def forecast_band(recipe: Recipe, slo: SLO, workloads: dict[str, Any]) -> Option
         out[end] = figures(res.requests, s)
         out["goodput"][end] = {n: (vs.get("goodput") or {}).get("mean") for n, vs in s["variants"].items()
                                if vs.get("mode") == "search"}
-        # a decode worker at or near its slots at this end (pdlab.measure.slots): the cliff the pace moves
-        out.setdefault("slots", {})[end] = [w for w in s["warnings"] if " slots (engine.max_running)" in w]
+        # each decode worker's slots at this end (pdlab.measure.slots): where the pace moves it to the cliff
+        out.setdefault("slots", {})[end] = {n: vs["decode_slots"] for n, vs in s["variants"].items()
+                                            if vs.get("decode_slots")}
     return out
 
 
@@ -111,8 +113,9 @@ def lines(band: Optional[dict], recipe: Recipe) -> list[str]:
         g = [band["goodput"][e].get(v) for e in ("lo", "hi")]
         if all(x is not None for x in g):
             out.append(f"  {v}: goodput {_span(g[0], g[1], 2)} req/s")
-        for end, what in (("hi", "slow"), ("lo", "fast")):  # the slow end first: where the cliff comes
-            pace = band["variants"][v]["pace"][1 if end == "hi" else 0]
-            out += [f"  at the {what} end (x{pace:.2f}): {w}" for w in band.get("slots", {}).get(end, ())
-                    if w.startswith(f"{v}: ")]
+        for end, what, i in (("hi", "slow", 1), ("lo", "fast", 0)):  # the slow end first: where the cliff comes
+            slots = band.get("slots", {}).get(end, {}).get(v)
+            w = slots_warning(v, slots["rates"], slots["max_running"], "simulated") if slots else None
+            if w:
+                out.append(f"  at the {what} end (x{band['variants'][v]['pace'][i]:.2f}): {w}")
     return out

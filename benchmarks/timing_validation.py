@@ -4,10 +4,11 @@ recipes it was never fitted on for real and in the simulator, and set the figure
     python benchmarks/timing_validation.py --out runs/timing-validation            # ~16 min on 2 cores
     python benchmarks/timing_validation.py --out DIR --profile box.yaml            # an existing profile
     python benchmarks/timing_validation.py --out DIR --requests 16 --repeats 1 --no-again --no-calibrate  # ~3 min
+    python benchmarks/timing_validation.py --out DIR --model path/to/saved-model --dtype float32   # another model
 
-Each recipe is cpu-demo on two single-core workers, unified (2 replicas) against a 1P1D deployment, with a
+Each recipe is a model (cpu-demo unless --model) on two single-core workers, unified (2 replicas) against a 1P1D deployment, with a
 length mix of its own: short prompts and outputs (pull), long prompts (push), and a wide mix under chunked
-prefill (pull). Its rates are fractions of the saturation rate the simulator predicts for it from the profile
+prefill (pull); prompts are cut to fit the model's context. Its rates are fractions of the saturation rate the simulator predicts for it from the profile
 (around and above saturation) plus saturation itself, and its SLO is a multiple of the simulated one-request
 figures, so the real run and the simulation are held to the same absolute rates and targets. The real run
 names the profile (model.check_timing), so it ends with `pdlab profile --check`'s line.
@@ -85,12 +86,30 @@ CALIBRATION = ({"input_len": {"kind": "uniform", "min": 200, "max": 1000},
                 "output_len": {"kind": "uniform", "min": 24, "max": 128}}, {}, "pull")
 
 
-def base_recipe(name: str, requests: int, repeats: int) -> dict:
+def model_raw(model: str, dtype: str | None) -> dict:
+    """A recipe's model section for `model` (a preset's name, else a saved model's directory)."""
+    from pdlab.engine.model import PRESETS
+
+    out = {"preset": model} if model in PRESETS else {"path": os.path.abspath(os.path.expanduser(model))}
+    return dict(out, dtype=dtype) if dtype else out
+
+
+def fitted(lengths: dict, context: int) -> dict:
+    """`lengths` with prompts cut so that a prompt and its longest output fit `context` tokens."""
+    out = lengths["output_len"]
+    room = context - int(out.get("max", out.get("value", 0)))
+    inp = dict(lengths["input_len"])
+    inp["max"] = min(inp["max"], room)
+    inp["min"] = min(inp["min"], inp["max"])
+    return dict(lengths, input_len=inp)
+
+
+def base_recipe(name: str, requests: int, repeats: int, model: dict | None = None, context: int = 1 << 30) -> dict:
     lengths, engine, mode = CALIBRATION if name == "calibration" else RECIPES[name]
     return {"name": f"tv-{name}", "seed": 7, "warmup": 1, "repeats": repeats,
-            "model": {"preset": "cpu-demo"},
+            "model": model or {"preset": "cpu-demo"},
             "engine": {"block_size": 16, "kv_blocks": "auto", "max_running": 32, "prefix_caching": False, **engine},
-            "workload": {"requests": requests, "arrival": {"kind": "poisson"}, **lengths},
+            "workload": {"requests": requests, "arrival": {"kind": "poisson"}, **fitted(lengths, context)},
             "variants": {"unified-2x": {"deployment": UNIFIED}, f"1P1D-{mode}": {"deployment": disagg(mode)}}}
 
 
@@ -209,6 +228,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, help="a new directory for the profile, recipes, runs and results")
     ap.add_argument("--profile", help="an existing profile (default: measure one first with pdlab profile)")
+    ap.add_argument("--model", default="cpu-demo", help="a preset's name or a saved model's directory (default "
+                                                        "cpu-demo)")
+    ap.add_argument("--dtype", help="the model's dtype (default: the recipe's, float32)")
     ap.add_argument("--steps", type=int, default=400, help="pdlab profile --steps (default 400)")
     ap.add_argument("--requests", type=int, default=48, help="requests per rate (default 48)")
     ap.add_argument("--repeats", type=int, default=2, help="repeats of each rate (default 2)")
@@ -231,6 +253,16 @@ def main() -> int:
     if os.path.exists(args.out) and os.listdir(args.out):
         print(f"error: --out {args.out}: exists and is not empty", file=sys.stderr)
         return 2
+    from pdlab.engine.model import ModelLoadError, model_config
+    from pdlab.recipe import RecipeError
+    from pdlab.recipe.model import ModelSpec
+
+    model = model_raw(args.model, args.dtype)
+    try:
+        context = int(getattr(model_config(ModelSpec.from_raw(model, "model")), "max_position_embeddings", 4096))
+    except (RecipeError, ModelLoadError, OSError, ValueError) as e:
+        print(f"error: --model {args.model}: {str(e).splitlines()[0]}", file=sys.stderr)
+        return 2
     os.makedirs(args.out, exist_ok=True)
     py = [sys.executable, "-m", "pdlab.cli"]
     t0 = time.monotonic()
@@ -245,12 +277,13 @@ def main() -> int:
         shutil.copyfile(given, profile)  # the calibration writes into it: never into the one given
     else:
         print(f"measuring the profile ({args.steps} steps) ...", flush=True)
-        print(run(py + ["profile", "--model", "cpu-demo", "--steps", str(args.steps), "--out", profile],
+        print(run(py + ["profile", "--model", model.get("preset") or model["path"], "--steps", str(args.steps),
+                        "--out", profile] + (["--dtype", args.dtype] if args.dtype else []),
                   os.path.join(args.out, "profile.log")))
-    results = {"profile": profile, "given_profile": args.profile, "targets": TARGETS, "recipes": {}}
+    results = {"model": model, "profile": profile, "given_profile": args.profile, "targets": TARGETS, "recipes": {}}
     if args.calibrate:
         print("calibration: one real run of its own length mix, its pace into the profile's drift", flush=True)
-        raw = plan_rates(base_recipe("calibration", args.requests // 2, 1), profile)
+        raw = plan_rates(base_recipe("calibration", args.requests // 2, 1, model, context), profile)
         path, cal = os.path.join(args.out, "calibration.yaml"), os.path.join(args.out, "calibration-real")
         with open(path, "w") as f:
             yaml.safe_dump(raw, f, sort_keys=False)
@@ -272,7 +305,7 @@ def main() -> int:
         results["calibration"]["host"] = out.strip().splitlines()[-1]
     for name in names:
         print(f"{name}: planning rates from the profile's simulation", flush=True)
-        raw = plan_rates(base_recipe(name, args.requests, args.repeats), profile)
+        raw = plan_rates(base_recipe(name, args.requests, args.repeats, model, context), profile)
         path = os.path.join(args.out, f"{name}.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(raw, f, sort_keys=False)

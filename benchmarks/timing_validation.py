@@ -34,7 +34,8 @@ simulated with every worker at the slow and the fast end of that drift (pdlab.si
 counted inside the band and within its target of it. A recipe's runs never feed its own forecast, and none feeds the
 step model. A second forecast is scored beside the first, from a copy of the profile that also took the calibration
 run's host time and contention (--write-host: the factors beside stepping workers a fresh profile leaves at 1). With
---accumulate (the default with --calibrate) each recipe's real runs go into the drift once that recipe is scored, as
+--accumulate (the default with --calibrate; without it, a given profile's drift grows from the first recipe's runs)
+each recipe's real runs go into the drift once that recipe is scored, as
 a user adds each run checked (`--write-drift`): the next recipes' bands then hold the box's pace over minutes of
 sustained load, which one short calibration right after the profile does not see; a recipe's own runs never feed its
 own forecast, and the point forecast never reads the drift. DIR/validation.json keeps every figure; the runs stay in
@@ -239,13 +240,15 @@ def main() -> int:
                     help="run a calibration recipe of its own length mix once, for real, and write its pace into the "
                          "profile's drift (pdlab profile --check --write-drift), so each forecast has a band "
                          "(default: on; a given --profile is copied into --out first)")
-    ap.add_argument("--accumulate", action=argparse.BooleanOptionalAction, default=True,
-                    help="with --calibrate: write each recipe's real runs into the drift once it is scored, for the "
-                         "bands of the recipes after it (default: on)")
+    ap.add_argument("--accumulate", action=argparse.BooleanOptionalAction, default=None,
+                    help="write each recipe's real runs into the profile's drift once it is scored, for the bands of "
+                         "the recipes after it (default: on with --calibrate; without it, the drift of a given "
+                         "--profile, or none, grows from the first recipe's runs)")
     ap.add_argument("--again", action=argparse.BooleanOptionalAction, default=True,
                     help="run each real recipe twice and hold the two real runs to the targets against each other "
                          "(default: on)")
     args = ap.parse_args()
+    accumulate = args.calibrate if args.accumulate is None else args.accumulate
     names = [n for n in args.recipes.split(",") if n]
     if any(n not in RECIPES for n in names):
         print(f"error: --recipes: expected names from {', '.join(RECIPES)}", file=sys.stderr)
@@ -331,7 +334,7 @@ def main() -> int:
             run(py + ["run", path, "--simulate", "--set", f"model.timing={calibrated}", "--out", sim2],
                 os.path.join(args.out, f"{name}-sim-calibrated.log"))
             results["recipes"][name]["calibrated"] = compare(figures(real), figures(sim2))
-        if args.calibrate and args.accumulate:  # scored: its runs join the drift of the recipes after it
+        if accumulate:  # scored: its runs join the drift of the recipes after it
             for i, done in enumerate([real] + ([real2] if args.again else [])):
                 run(py + ["profile", "--check", done, "--profile", profile, "--write-drift"],
                     os.path.join(args.out, f"{name}-drift{i}.log"))

@@ -87,6 +87,24 @@ def test_a_wider_drift_orders_the_band_and_a_run_beyond_it_is_named(tmp_path):
     text = lines(band, parse_recipe(recipe(PROFILE.replace(drift=Drift(factors=(0.9,) * 4 + (1.5,) * 4, runs=2)))))
     assert text[0].startswith("forecast band (simulated, not measured)") and "x0.90-1.50" in text[0]
     assert any(ln.strip().startswith("pd @ inf req/s: TTFT p50") and "tok/s" in ln for ln in text)
+    assert band["variants"]["pd"]["median"] == pytest.approx(1.2)
+    assert sum("note: the runs checked with profile box stepped x1.20" in ln for ln in text) == 1  # its median
+
+
+@pytest.mark.parametrize("factors, note", [((0.9,) * 4 + (1.5,) * 4, "x1.20 its pace (the median of its drift): its "
+                                                                      "point forecast is likely fast"),
+                                           ((0.7,) * 5 + (1.2,) * 3, "x0.70 its pace (the median of its drift): its "
+                                                                     "point forecast is likely slow"),
+                                           ((0.8,) * 4 + (1.2,) * 4, None), ((1.05,) * 8, None)])
+def test_a_drift_whose_median_is_off_the_profile_says_which_way_its_forecast_is_off(factors, note):
+    timed = PROFILE.replace(drift=Drift(factors=factors, runs=2))
+    _, band = forecast(timed)
+    notes = [ln for ln in lines(band, parse_recipe(recipe(timed))) if "note: the runs checked" in ln]
+    if note is None:
+        assert notes == []
+    else:  # one line for the profile both variants share
+        (line,) = notes
+        assert note in line and "profile box" in line
 
 
 def test_a_profile_without_drift_gives_no_band_and_says_how_to_get_one():

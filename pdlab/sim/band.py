@@ -98,7 +98,6 @@ def _off(band: dict, recipe: Recipe) -> list[str]:
         if timing.name in seen or m is None or abs(m - 1) < PACE_DRIFT:
             continue
         seen.add(timing.name)
-        how = "slower" if m > 1 else "faster"
         out.append(f"  note: the runs checked with profile {timing.name} stepped x{m:.2f} its pace (the median of its "
                    f"drift): its point forecast is likely {'fast' if m > 1 else 'slow'} by about as much; read the "
                    "band, or measure the profile again (pdlab profile) if the box has changed")

@@ -6,10 +6,11 @@ recipes it was never fitted on for real and in the simulator, and set the figure
     python benchmarks/timing_validation.py --out DIR --requests 16 --repeats 1 --no-again --no-calibrate  # ~3 min
     python benchmarks/timing_validation.py --out DIR --model path/to/saved-model --dtype float32   # another model
 
-Each recipe is a model (cpu-demo unless --model) on two single-core workers, unified (2 replicas) against a 1P1D deployment, with a
-length mix of its own: short prompts and outputs (pull), long prompts (push), and a wide mix under chunked
-prefill (pull); prompts are cut to fit the model's context. Its rates are fractions of the saturation rate the simulator predicts for it from the profile
-(around and above saturation) plus saturation itself, and its SLO is a multiple of the simulated one-request
+Each recipe is a model (cpu-demo unless --model) on two single-core workers, unified (2 replicas) against a
+1P1D deployment, with a length mix of its own: short prompts and outputs (pull), long prompts (push), and a wide
+mix under chunked prefill (pull); prompts are cut to fit the model's context (and it says so). Its rates are
+fractions of the saturation rate the simulator predicts for it from the profile (around and above saturation)
+plus saturation itself, and its SLO is a multiple of the simulated one-request
 figures, so the real run and the simulation are held to the same absolute rates and targets. The real run
 names the profile (model.check_timing), so it ends with `pdlab profile --check`'s line.
 
@@ -34,8 +35,8 @@ simulated with every worker at the slow and the fast end of that drift (pdlab.si
 counted inside the band and within its target of it. A recipe's runs never feed its own forecast, and none feeds the
 step model. A second forecast is scored beside the first, from a copy of the profile that also took the calibration
 run's host time and contention (--write-host: the factors beside stepping workers a fresh profile leaves at 1). With
---accumulate (the default with --calibrate; without it, a given profile's drift grows from the first recipe's runs)
-each recipe's real runs go into the drift once that recipe is scored, as
+--accumulate (the default with --calibrate; with --no-calibrate, the drift of the profile, given or measured, grows
+from the first recipe's runs) each recipe's real runs go into the drift once that recipe is scored, as
 a user adds each run checked (`--write-drift`): the next recipes' bands then hold the box's pace over minutes of
 sustained load, which one short calibration right after the profile does not see; a recipe's own runs never feed its
 own forecast, and the point forecast never reads the drift. DIR/validation.json keeps every figure; the runs stay in
@@ -57,6 +58,9 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+from pdlab.engine.model import PRESETS, ModelLoadError, model_config  # noqa: E402
+from pdlab.recipe import RecipeError  # noqa: E402
+from pdlab.recipe.model import ModelSpec  # noqa: E402
 from pdlab.timing.replay import TARGETS, compare, covered, figures as replay_figures, table, within  # noqa: E402
 
 RATE_FRACTIONS = (0.5, 0.9, 1.3)  # of the simulated saturation rate; saturation itself (inf) is run too
@@ -87,19 +91,30 @@ CALIBRATION = ({"input_len": {"kind": "uniform", "min": 200, "max": 1000},
                 "output_len": {"kind": "uniform", "min": 24, "max": 128}}, {}, "pull")
 
 
-def model_raw(model: str, dtype: str | None) -> dict:
-    """A recipe's model section for `model` (a preset's name, else a saved model's directory)."""
-    from pdlab.engine.model import PRESETS
+MIN_PROMPT = 32  # tokens: a context that leaves prompts fewer than this beside the longest output is refused
 
-    out = {"preset": model} if model in PRESETS else {"path": os.path.abspath(os.path.expanduser(model))}
+
+def model_raw(model: str, dtype: str | None) -> dict:
+    """A recipe's model section for `model`: a preset's name, a directory (made absolute: the runs start
+    elsewhere), or anything else as a path (a hub id in the local cache, or one the recipe's check refuses)."""
+    local = os.path.expanduser(model)
+    if model in PRESETS:
+        out = {"preset": model}
+    elif os.path.isdir(local) or model.startswith((".", "/", "~")):
+        out = {"path": os.path.abspath(local)}
+    else:
+        out = {"path": model}
     return dict(out, dtype=dtype) if dtype else out
 
 
 def fitted(lengths: dict, context: int) -> dict:
-    """`lengths` with prompts cut so that a prompt and its longest output fit `context` tokens."""
-    out = lengths["output_len"]
-    room = context - int(out.get("max", out.get("value", 0)))
-    inp = dict(lengths["input_len"])
+    """`lengths` (uniform prompts; uniform or fixed outputs) with prompts cut so that a prompt and its longest
+    output fit `context` tokens. ValueError where fewer than MIN_PROMPT tokens would be left for a prompt."""
+    out, inp = lengths["output_len"], dict(lengths["input_len"])
+    room = context - int(out["max"] if out["kind"] == "uniform" else out["value"])
+    if room < MIN_PROMPT:
+        raise ValueError(f"a context of {context} tokens leaves {max(room, 0)} for prompts beside outputs of "
+                         f"{context - room}")
     inp["max"] = min(inp["max"], room)
     inp["min"] = min(inp["min"], inp["max"])
     return dict(lengths, input_len=inp)
@@ -242,8 +257,9 @@ def main() -> int:
                          "(default: on; a given --profile is copied into --out first)")
     ap.add_argument("--accumulate", action=argparse.BooleanOptionalAction, default=None,
                     help="write each recipe's real runs into the profile's drift once it is scored, for the bands of "
-                         "the recipes after it (default: on with --calibrate; without it, the drift of a given "
-                         "--profile, or none, grows from the first recipe's runs)")
+                         "the recipes after it (default: on with --calibrate, off with --no-calibrate; "
+                         "--no-calibrate --accumulate grows the profile's drift, given or new, from the first "
+                         "recipe's runs)")
     ap.add_argument("--again", action=argparse.BooleanOptionalAction, default=True,
                     help="run each real recipe twice and hold the two real runs to the targets against each other "
                          "(default: on)")
@@ -256,27 +272,38 @@ def main() -> int:
     if os.path.exists(args.out) and os.listdir(args.out):
         print(f"error: --out {args.out}: exists and is not empty", file=sys.stderr)
         return 2
-    from pdlab.engine.model import ModelLoadError, model_config
-    from pdlab.recipe import RecipeError
-    from pdlab.recipe.model import ModelSpec
-
     model = model_raw(args.model, args.dtype)
     try:
-        context = int(getattr(model_config(ModelSpec.from_raw(model, "model")), "max_position_embeddings", 4096))
+        spec = ModelSpec.from_raw(model, "model")
+        context = int(getattr(model_config(spec), "max_position_embeddings", None) or 4096)
+        for name in names + ["calibration"]:
+            lengths = (CALIBRATION if name == "calibration" else RECIPES[name])[0]
+            cut = fitted(lengths, context)
+            if cut != lengths:
+                print(f"{name}: prompts {lengths['input_len']['min']}-{lengths['input_len']['max']} cut to "
+                      f"{cut['input_len']['min']}-{cut['input_len']['max']} tokens (the model's context: {context})")
     except (RecipeError, ModelLoadError, OSError, ValueError) as e:
         print(f"error: --model {args.model}: {str(e).splitlines()[0]}", file=sys.stderr)
         return 2
-    os.makedirs(args.out, exist_ok=True)
-    py = [sys.executable, "-m", "pdlab.cli"]
-    t0 = time.monotonic()
-    profile = os.path.abspath(os.path.join(args.out, "box.yaml"))
+    given = None
     if args.profile:
+        from pdlab.recipe import load_profile
         from pdlab.recipe.timing import profile_path
+        from pdlab.timing.check import other_model
 
         given = profile_path(args.profile)  # a file, or a shipped profile's name
         if given is None:
             print(f"error: --profile {args.profile}: no such file or shipped profile", file=sys.stderr)
             return 2
+        differs = other_model(load_profile(given, "--profile"), spec)
+        if differs:  # its drift would refuse the runs (pdlab profile --check --write-drift), after the first
+            print(f"error: --profile {args.profile}: not of --model ({differs})", file=sys.stderr)
+            return 2
+    os.makedirs(args.out, exist_ok=True)
+    py = [sys.executable, "-m", "pdlab.cli"]
+    t0 = time.monotonic()
+    profile = os.path.abspath(os.path.join(args.out, "box.yaml"))
+    if given is not None:
         shutil.copyfile(given, profile)  # the calibration writes into it: never into the one given
     else:
         print(f"measuring the profile ({args.steps} steps) ...", flush=True)

@@ -134,7 +134,9 @@ DRIFT_KEEP = 256
 # A decode worker whose running batch reached this share of engine.max_running in a rate is near its slot cliff
 # (pdlab.measure.slots): past it, admitted requests wait for a slot and that wait is their first ITL gap
 SLOTS_NEAR = 0.9
-PACE_DRIFT = 0.1  # a run's pace this far from its profile's (pdlab.timing.pace) is named in profile-check warnings
+# a run's pace this far from its profile's (pdlab.timing.pace) is named in profile-check warnings; a drift's median
+# this far from 1 gets a note under a forecast's band (pdlab.sim.band)
+PACE_DRIFT = 0.1
 PROFILE_MIN_R2 = 0.9  # pdlab profile: held-out R^2 (overall or of a kind) below this
 PROFILE_MAX_P90_PCT = 25.0  # pdlab profile: held-out p90 percentage error above this
 

@@ -91,20 +91,39 @@ def test_a_wider_drift_orders_the_band_and_a_run_beyond_it_is_named(tmp_path):
     assert sum("note: the runs checked with profile box stepped x1.20" in ln for ln in text) == 1  # its median
 
 
-@pytest.mark.parametrize("factors, note", [((0.9,) * 4 + (1.5,) * 4, "x1.20 its pace (the median of its drift): its "
-                                                                      "point forecast is likely fast"),
-                                           ((0.7,) * 5 + (1.2,) * 3, "x0.70 its pace (the median of its drift): its "
-                                                                     "point forecast is likely slow"),
-                                           ((0.8,) * 4 + (1.2,) * 4, None), ((1.05,) * 8, None)])
-def test_a_drift_whose_median_is_off_the_profile_says_which_way_its_forecast_is_off(factors, note):
-    timed = PROFILE.replace(drift=Drift(factors=factors, runs=2))
-    _, band = forecast(timed)
-    notes = [ln for ln in lines(band, parse_recipe(recipe(timed))) if "note: the runs checked" in ln]
+def _band_of(medians: dict[str, float]) -> dict:
+    """A forecast band with only what its heading and notes read: each variant's pace and drift median."""
+    return {"levels": [0.05, 0.95], "lo": {}, "hi": {}, "goodput": {"lo": {}, "hi": {}},
+            "variants": {v: {"pace": [m * 0.9, m * 1.1], "median": m, "paces": 8, "runs": 2}
+                         for v, m in medians.items()}}
+
+
+@pytest.mark.parametrize("median, note", [(1.2, "x1.20 its pace (the median of its drift): its point forecast is "
+                                                "likely fast (latencies low, attainment and throughput high); the "
+                                                "band's slow end"),
+                                          (0.7, "x0.70 its pace (the median of its drift): its point forecast is "
+                                                "likely slow (latencies high, attainment and throughput low); the "
+                                                "band's fast end"),
+                                          (1.1, "x1.10 its pace"), (0.9, "x0.90 its pace"),  # the boundary, both ways
+                                          (1.0, None), (1.09, None), (0.91, None)])
+def test_a_drift_whose_median_is_off_the_profile_says_which_way_its_forecast_is_off(median, note):
+    r = parse_recipe(recipe(PROFILE.replace(drift=Drift(factors=(median,) * 8, runs=2))))
+    notes = [ln for ln in lines(_band_of({"unified": median, "pd": median}), r) if "note: the runs checked" in ln]
     if note is None:
         assert notes == []
     else:  # one line for the profile both variants share
         (line,) = notes
         assert note in line and "profile box" in line
+
+
+def test_two_profiles_off_their_pace_get_a_note_each():
+    raw = recipe(PROFILE.replace(drift=Drift(factors=(1.3,) * 8, runs=2)))
+    raw["variants"]["unified"]["model"] = {"timing": PROFILE.replace(name="other",
+                                                                     drift=Drift(factors=(0.8,) * 8)).to_raw()}
+    text = lines(_band_of({"unified": 0.8, "pd": 1.3}), parse_recipe(raw))
+    notes = [ln for ln in text if "note: the runs checked" in ln]
+    assert len(notes) == 2 and any("profile other stepped x0.80" in n for n in notes)
+    assert any("profile box stepped x1.30" in n for n in notes)
 
 
 def test_a_profile_without_drift_gives_no_band_and_says_how_to_get_one():

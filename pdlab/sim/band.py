@@ -55,8 +55,9 @@ def at_pace(recipe: Recipe, slo: SLO, variants: dict[str, float]) -> tuple[Recip
 
 
 def forecast_band(recipe: Recipe, slo: SLO, workloads: dict[str, Any]) -> Optional[dict]:
-    """{levels, variants: name -> {pace: [lo, hi], paces, runs}, lo, hi: figures at each end (variant -> rate tag ->
-    figure), goodput: {lo, hi}: variant -> goodput where searched}; None where no variant's profile has a band.
+    """{levels, variants: name -> {pace: [lo, hi], median, paces, runs}, lo, hi: figures at each end (variant ->
+    rate tag -> figure), goodput: {lo, hi}: variant -> goodput where searched, slots: {lo, hi}: variant -> its
+    decode_slots}; None where no variant's profile has a band.
     `recipe`: as the forecast resolved it (absolute rates); `slo`: the absolute SLO it resolved."""
     # deferred: torch
     from pdlab.sim.experiment import simulate_recipe
@@ -85,22 +86,26 @@ def forecast_band(recipe: Recipe, slo: SLO, workloads: dict[str, Any]) -> Option
 
 def _off(band: dict, recipe: Recipe) -> list[str]:
     """A line for each profile whose drift's median lies PACE_DRIFT or more off its own pace: the runs checked with
-    it mostly stepped slower (or faster) than it, so its point forecast is likely off the same way.
+    it mostly stepped slower (or faster) than it, so its point forecast is likely off the same way. A direction,
+    not a size: near saturation a figure moves more than the pace.
 
-    Why: on the developers' box every miss of the point forecasts in six validations was the simulation running
-    fast, and the three with the most misses (78-89 of 102 figures met) had drifts with medians of x1.14-1.25;
-    the bands met 101-102 (BENCHMARKS.md, 2026-12-03 seventh session). The band's figures are there; this says
-    which to read."""
+    Why: on the developers' box 70 of the 74 figures the point forecasts of six validations missed were the
+    simulation running fast, and the three forecasts that met fewest (78-89 of 102) had drifts with medians of
+    x1.14-1.25 (one that met 96 had x1.14 too); their bands met 101-102 (BENCHMARKS.md, 2026-12-03 seventh
+    session). The band's figures are there; this says which end to read."""
     out, seen = [], set()
     for v, d in band["variants"].items():
         timing = recipe.variants[v].model.timing
         m = d.get("median")
-        if timing.name in seen or m is None or abs(m - 1) < PACE_DRIFT:
+        if m is None or (timing.name, m) in seen or abs(m - 1) < PACE_DRIFT - 1e-9:
             continue
-        seen.add(timing.name)
+        seen.add((timing.name, m))
+        slow = m > 1
         out.append(f"  note: the runs checked with profile {timing.name} stepped x{m:.2f} its pace (the median of its "
-                   f"drift): its point forecast is likely {'fast' if m > 1 else 'slow'} by about as much; read the "
-                   "band, or measure the profile again (pdlab profile) if the box has changed")
+                   f"drift): its point forecast is likely {'fast' if slow else 'slow'} (latencies "
+                   f"{'low' if slow else 'high'}, attainment and throughput {'high' if slow else 'low'}); the band's "
+                   f"{'slow' if slow else 'fast'} end says by how much, or measure the profile again (pdlab profile) "
+                   "if the box has changed")
     return out
 
 

@@ -9,6 +9,7 @@ from pdlab.recipe import parse_recipe
 from pdlab.recipe.timing import ContentionTiming, StepTiming, parse_timing
 from pdlab.fields import RecipeError
 from pdlab.sim.simulator import Simulator
+from pdlab.timing.build import worker_step_warnings
 from pdlab.timing.contention import (AFTER_STEPS, after_prefill_fit, context, contention_raw, describe, estimate,
                                      main_step, predicted_ms)
 from pdlab.timing.replay import worker_paces
@@ -86,6 +87,9 @@ def test_a_slower_box_is_not_counted_as_cold_time():
     """Every step 1.5x longer, cold cost included: the cold cost reads 1.5 x 4 ms, the factors as they were."""
     slow = [dict(s, end=s["start"] + (s["end"] - s["start"]) * 1.5) for s in synthetic(1.3, 1.1, 4.0)]
     est = estimate(StepTiming(**STEP).to_raw(), slow)
+    # the warm steps alone say how far the box (or a worker's code path) is off the model; cold ones do not count
+    assert est["alone"]["decode"] == pytest.approx(1.5, rel=1e-6) and est["alone"]["prefill"] is None
+    assert estimate(StepTiming(**STEP).to_raw(), synthetic(1.3, 1.1, 4.0))["alone"]["decode"] == pytest.approx(1.0)
     assert est["cold_ms"] == pytest.approx(6.0, abs=0.1)
     assert est["decode_x"] == pytest.approx(1.1, rel=0.05)
     assert est["prefill_x"] == pytest.approx(1.3, rel=0.05)  # no warm prefill alone: against the warm decodes
@@ -344,3 +348,10 @@ def test_the_main_process_time_per_step_is_read_from_what_the_steps_lost():
     bare = [{k: v for k, v in s.items() if k != "cpu_s"} for s in two]
     assert main_step(bare, context(bare)) == (None, 0)
     assert estimate(StepTiming(**STEP).to_raw(), two)["main_step_ms"] == pytest.approx(0.25, rel=0.01)
+
+
+def test_a_probe_whose_workers_step_far_off_the_profile_warns_by_kind():
+    assert worker_step_warnings({"decode": 1.06, "prefill": 0.9}) == []  # within PROFILE_CHECK_MAPE_PCT
+    (w,) = worker_step_warnings({"decode": 1.32, "prefill": 1.0})
+    assert "ran their decode steps at x1.32 the step model" in w and "kernels" in w
+    assert len(worker_step_warnings({"decode": 0.5, "prefill": 3.0})) == 2

@@ -312,6 +312,8 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     assert f["dtype"] == "float32" and f["threads"] == 1 and f["cores"] == [sorted(os.sched_getaffinity(0))[-1]]
     assert 0 < f["cpu_share"] <= 1.05 and f["host"]["samples"]["hops"] >= 3
     assert f["after_prefill"]["steps"] > 0
+    # the probe's real workers against the model just fitted (a figure, not a bound: the box moves)
+    assert f["host"]["worker_steps"]["decode"] > 0 and "the host probe's workers, warm steps alone" in printed
 
 
 def test_profile_command_line(tmp_path):

@@ -9,7 +9,7 @@ from typing import Optional
 
 import numpy as np
 
-from pdlab.constants import PROFILE_MAX_P90_PCT, PROFILE_MIN_R2
+from pdlab.constants import PROFILE_CHECK_MAPE_PCT, PROFILE_MAX_P90_PCT, PROFILE_MIN_R2
 
 BUSY_SHARE = 0.9  # a measuring process with less of its core than this: the box was busy
 from pdlab.engine.timed import StepCounts
@@ -98,6 +98,11 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
             # BENCHMARKS.md, 2026-12-03); its cold steps did (2.0 ms probed, 0.5-2.4 in runs),
             # and so does the spread of decode steps (each over its own median, it leaves the factor out)
             contention = {k: v for k, v in probed.items() if k in ("cold_ms",) + SPREADS} or None
+            # the probe's workers are a real deployment of the model: its warm steps alone should step at the
+            # model's pace, as the profile's own did a minute before (x0.98-1.06 on the 2-core Xeon; BENCHMARKS.md,
+            # 2026-12-03 seventh session); far off, the profile did not measure what a worker runs
+            fit["host"]["worker_steps"] = {k: round(x, 4) for k, x in est["alone"].items() if x is not None}
+            warnings += worker_step_warnings(fit["host"]["worker_steps"])
             fit["contention"] = {"samples": est["samples"], "probed": probed,
                                  "how": "the host probe's steps against the fitted step model (pdlab.timing."
                                         "contention); cold_ms and the decode spreads kept, prefill_x and decode_x "
@@ -145,6 +150,9 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                       f"the same bytes: {base} GB/s)")
     if not transfers:
         report.append("transfer: no transport measured")
+    if (fit.get("host") or {}).get("worker_steps"):
+        report.append("the host probe's workers, warm steps alone against the step model: " +
+                      ", ".join(f"{k} x{x:.3g}" for k, x in fit["host"]["worker_steps"].items()))
     if host is not None:
         report.append("host time: " + ", ".join(f"{k} {v:.3g} ms" + (" per 1000 prompt tokens" if "ktok" in k else "")
                                                 for k, v in host_raw(host).items()) +
@@ -159,6 +167,15 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
         report.append(f"contention: {describe(contention or {})}")
     report += [f"warning: {w}" for w in warnings]
     return raw, report
+
+
+def worker_step_warnings(alone: dict[str, float]) -> list[str]:
+    """A warning for each kind of step (kind -> the median of the host probe's warm steps alone over the step
+    model) that a real worker stepped more than PROFILE_CHECK_MAPE_PCT off the profile's own."""
+    return [f"the host probe's workers (a real deployment of the model, right after the steps) ran their {kind} "
+            f"steps at x{x:.2f} the step model: the profile's steps were not a worker's. Compare the kernels a "
+            "run's workers report (env.json) with the profile's, and measure again on a quiet box"
+            for kind, x in alone.items() if abs(x - 1) * 100 > PROFILE_CHECK_MAPE_PCT]
 
 
 def _mean(xs: Optional[list]) -> Optional[float]:

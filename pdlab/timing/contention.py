@@ -118,7 +118,8 @@ class _Spans:
 
 def estimate(coef: dict, steps: list[dict], own_cpu: bool = False) -> dict:
     """{prefill_x, decode_x, cold_ms, after_prefill_x, after_prefill_decay, decode_spread, decode_spread_beside,
-    main_step_ms} (None where not estimated) and {samples}: from `steps` (records with step counts) against the
+    main_step_ms} (None where not estimated), {alone: kind -> the median of warm steps alone over the model (None
+    with fewer than MIN_SAMPLES)} and {samples}: from `steps` (records with step counts) against the
     step model `coef` (StepTiming.to_raw()). A decode step's factor beside stepping workers and its spread are
     read with what its worker's last prefill left taken off, so that a simulation applying both counts it once.
     `own_cpu`: each step measured by its own CPU time (`cpu_s`, where it has it) rather than its wall time, its
@@ -151,6 +152,7 @@ def estimate(coef: dict, steps: list[dict], own_cpu: bool = False) -> dict:
         alone = [own(r) / max(r.p, 1e-9) for r in rows
                  if r.prefill == prefill and not r.c.cold and r.c.others_busy <= ALONE]
         base = statistics.median(alone) if len(alone) >= MIN_SAMPLES else pace
+        out.setdefault("alone", {})[kind] = base if len(alone) >= MIN_SAMPLES else None
         x = None
         if len(mine) >= MIN_SAMPLES:  # the excess at the share these stepped beside, taken to all the others
             share = statistics.mean(b for _, b in mine)

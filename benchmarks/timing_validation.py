@@ -59,8 +59,10 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from pdlab.engine.model import PRESETS, ModelLoadError, model_config  # noqa: E402
-from pdlab.recipe import RecipeError  # noqa: E402
+from pdlab.recipe import RecipeError, load_profile  # noqa: E402
 from pdlab.recipe.model import ModelSpec  # noqa: E402
+from pdlab.recipe.timing import profile_path  # noqa: E402
+from pdlab.timing.check import other_model  # noqa: E402
 from pdlab.timing.replay import TARGETS, compare, covered, figures as replay_figures, table, within  # noqa: E402
 
 RATE_FRACTIONS = (0.5, 0.9, 1.3)  # of the simulated saturation rate; saturation itself (inf) is run too
@@ -228,7 +230,6 @@ def replayed(run_dir: str, profile: str) -> dict:
     """The real run simulated at its own pace (pdlab.timing.replay): what is left of the miss once the box's
     drift between the profile and the run is taken out."""
     from pdlab.measure.records import load_run
-    from pdlab.recipe import load_profile
     from pdlab.sim.pace import draw
     from pdlab.timing.replay import replay
 
@@ -287,10 +288,6 @@ def main() -> int:
         return 2
     given = None
     if args.profile:
-        from pdlab.recipe import load_profile
-        from pdlab.recipe.timing import profile_path
-        from pdlab.timing.check import other_model
-
         given = profile_path(args.profile)  # a file, or a shipped profile's name
         if given is None:
             print(f"error: --profile {args.profile}: no such file or shipped profile", file=sys.stderr)
@@ -325,8 +322,6 @@ def main() -> int:
         shutil.copyfile(profile, calibrated)
         out = run(py + ["profile", "--check", cal, "--profile", profile, "--write-drift"],
                   os.path.join(args.out, "calibration-check.log"))
-        from pdlab.recipe import load_profile
-
         results["calibration"] = {"recipe": raw, "drift": out.strip().splitlines()[-1],
                                   "drift_raw": load_profile(profile).drift.to_raw()}  # before any recipe's runs
         print(f"  {results['calibration']['drift']}")

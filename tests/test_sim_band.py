@@ -32,9 +32,10 @@ def test_a_drift_keeps_its_latest_paces_and_gives_a_band_once_it_has_enough():
     d = Drift()
     assert d.band() is None and d.to_raw() == {} and d.describe().startswith("its drift has 0 of the 4 paces")
     d = merged(d, [1.0] * (DRIFT_MIN_FACTORS - 1))
-    assert d.band() is None and d.runs == 1
+    assert d.band() is None and d.median() is None and d.runs == 1
     d = merged(d, [0.8, 0.9, 1.1, 1.2] + [1.0] * 6)
     assert d.runs == 2 and d.band()[0] < 1.0 < d.band()[1] and 0.8 <= d.band()[0] and d.band()[1] <= 1.2
+    assert d.median() == pytest.approx(1.0)
     d = merged(d, [2.0] * (DRIFT_KEEP + 5))
     assert len(d.factors) == DRIFT_KEEP and set(d.factors) == {2.0} and d.band() == (2.0, 2.0)
     assert TimingProfile.from_raw(PROFILE.replace(drift=d).to_raw(), "p").drift == d  # the file round-trips

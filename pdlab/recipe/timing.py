@@ -265,6 +265,10 @@ class Drift(Section):
         lo, hi = (float(q) for q in np.quantile(np.asarray(self.factors), DRIFT_LEVELS))
         return lo, hi
 
+    def median(self) -> Optional[float]:
+        """The factors' median; None with fewer than DRIFT_MIN_FACTORS (as band())."""
+        return float(np.median(self.factors)) if len(self.factors) >= DRIFT_MIN_FACTORS else None
+
     def describe(self) -> str:
         """'x0.96-1.19 (5-95% of 32 paces from 1 run)', or what is missing."""
         band = self.band()

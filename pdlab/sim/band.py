@@ -23,8 +23,6 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, Optional
 
-import numpy as np
-
 from pdlab.constants import DRIFT_LEVELS, PACE_DRIFT
 from pdlab.measure.slots import slots_warning
 from pdlab.recipe import SLO, Recipe
@@ -68,7 +66,7 @@ def forecast_band(recipe: Recipe, slo: SLO, workloads: dict[str, Any]) -> Option
         return None
     drifts = {n: recipe.variants[n].model.timing.drift for n in found}
     out: dict = {"levels": list(DRIFT_LEVELS),
-                 "variants": {n: {"pace": list(b), "median": float(np.median(drifts[n].factors)),
+                 "variants": {n: {"pace": list(b), "median": drifts[n].median(),
                                   "paces": len(drifts[n].factors), "runs": drifts[n].runs} for n, b in found.items()},
                  "goodput": {}}
     for end, i in (("lo", 0), ("hi", 1)):

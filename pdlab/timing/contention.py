@@ -151,8 +151,9 @@ def estimate(coef: dict, steps: list[dict], own_cpu: bool = False) -> dict:
                 if r.prefill == prefill and r.c.others_busy >= TOGETHER]
         alone = [own(r) / max(r.p, 1e-9) for r in rows
                  if r.prefill == prefill and not r.c.cold and r.c.others_busy <= ALONE]
-        base = statistics.median(alone) if len(alone) >= MIN_SAMPLES else pace
-        out.setdefault("alone", {})[kind] = base if len(alone) >= MIN_SAMPLES else None
+        mid = statistics.median(alone) if len(alone) >= MIN_SAMPLES else None
+        out.setdefault("alone", {})[kind] = mid
+        base = mid if mid is not None else pace
         x = None
         if len(mine) >= MIN_SAMPLES:  # the excess at the share these stepped beside, taken to all the others
             share = statistics.mean(b for _, b in mine)

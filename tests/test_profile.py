@@ -23,7 +23,7 @@ from pdlab.timing.fit import (KINDS, TERMS, StepSample, by_kind, errors, fit_ste
                               split_by_case)
 from pdlab.timing import after_prefill
 from pdlab.timing.contention import AFTER_STEPS
-from pdlab.timing.host_probe import BURST
+from pdlab.timing.host_probe import BURST, BURSTS, CHAINED, CO_REQUESTS, REQUESTS
 from pdlab.timing.measure import DECODE_LEAD, PRIMER_BLOCKS, Case, Limits, PoolSlices, Primer, design, run_case
 from pdlab.timing.process import MeasureError, job_for, measure
 from pdlab.timing.write import profile_raw, write_profile
@@ -304,6 +304,8 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     assert t.contention.after_prefill_x > 0 and 0 <= t.contention.after_prefill_decay <= 1  # measured beside
     assert t.contention.main_step_ms > 0  # the probe's main process's time per worker step
     assert t.host.send_ms > 0 and t.fit["host"]["samples"]["sends"] >= BURST  # bursts: the quickest one's
+    # one at a time, prefills chained (warm prefill steps alone), bursts, staggered: every request served
+    assert t.fit["host"]["requests"] == REQUESTS + CHAINED + BURSTS * BURST + CO_REQUESTS
     f = t.fit
     assert f["train_steps"] > 0 and f["test_steps"] > 0
     assert f["train_steps"] + f["test_steps"] == sum(f["steps_by_kind"].values()) >= 24

@@ -88,8 +88,8 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     probed: dict = {}
     if host is not None:
         fit["host"] = {"requests": host.get("requests"), "samples": host.get("samples"),
-                       "how": "a 1P1D pull deployment of the model serving requests one at a time, in a burst and "
-                              "staggered (pdlab.timing.host_probe)"}
+                       "how": "a 1P1D pull deployment of the model serving requests one at a time, prefills chained, "
+                              "in bursts and staggered (pdlab.timing.host_probe)"}
         if host.get("steps"):
             est = estimate(coef, host["steps"])
             probed = contention_raw(est)

@@ -15,7 +15,13 @@ decode worker has taken STAGGER_STEPS steps with the one before: each prefill ru
 the requests before it, so both workers step together, as a run's do, and each hand-over is admitted on its
 own between two decode steps (the admit time of pulls of several lengths). Its steps, with the one-at-a-time
 ones (each worker alone), give the contention figures (pdlab.timing.contention), which need the step model:
-the probe returns its steps for `pdlab profile` to estimate them once the model is fitted. And the probe's own
+the probe returns its steps for `pdlab profile` to estimate them once the model is fitted. Between the
+one-at-a-time requests and the bursts, CHAINED requests of one token each (prefill only: the prefill worker
+finishes them), each submitted as the one before finishes: the prefill worker steps them a few ms apart with
+the decode worker idle, warm prefills alone, which the one-at-a-time requests (each after an idle worker,
+cold) never give; `pdlab profile` holds them against the model just fitted, as it does the decode steps
+alone (pdlab.timing.build worker_steps: a prefill path of the workers' other than the profile's shows there,
+as the 3x of issue 25 would have). And the probe's own
 CPU time over the steps its workers took: the main process's CPU time per worker step (its loop writes the
 records a run's harness writes, each step's line and each request's record with its metrics, to a scratch run
 directory, so that its time is a run's). `pdlab profile` takes contention.main_step_ms from what the workers'
@@ -37,6 +43,7 @@ BURSTS = 3  # of them: the send time is the quickest burst's (its router at its 
 PROMPTS = (64, 1024)  # prompt lengths drawn uniformly from this range (within the model's context): pulls of
 #                       several lengths, whose admit time grows with them (pdlab.timing.host admit_ktok)
 OUTPUT = 64  # tokens each: the first steps of a new decode batch run slower (measure.DECODE_LEAD); 16 left mostly those
+CHAINED = 12  # prefill-only requests one after the other: warm prefill steps alone (the first is cold)
 CO_REQUESTS = 20  # staggered, so that prefills run beside decodes (and pulls are admitted one at a time)
 CO_OUTPUT = 48
 STAGGER_STEPS = 4  # decode steps between one staggered submission and the next
@@ -81,17 +88,17 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         cluster.start()
         if say:
             say(f"host time: a 1P1D pull deployment on cpu:{cores[0]} and cpu:{cores[-1]}, {REQUESTS} requests "
-                f"one at a time, then {BURSTS} bursts of {BURST}, then {CO_REQUESTS} staggered")
+                f"one at a time, {CHAINED} prefills chained, {BURSTS} bursts of {BURST}, then {CO_REQUESTS} staggered")
         cfg = model_config(spec)
         vocab = cfg.vocab_size
         context = int(getattr(cfg, "max_position_embeddings", 0) or PROMPTS[1] * 2)
         lengths = (min(PROMPTS[0], context // 4), max(min(PROMPTS[1], context - OUTPUT - 1), PROMPTS[0] + 1))
         deadline = time.monotonic() + TIMEOUT_S
 
-        def serve(ids: list[str], output: int = OUTPUT, stagger: bool = False) -> None:
+        def serve(ids: list[str], output: int = OUTPUT, stagger: bool = False, chain: bool = False) -> None:
             """Submit `ids` together (stagger: one each STAGGER_STEPS decode steps with the one before, counted
-            from its first token from the decode worker), then read events until all are done (and both workers
-            idle again)."""
+            from its first token from the decode worker; chain: one as the one before finishes), then read events
+            until all are done (and both workers idle again)."""
             queue = [(rid, rng.integers(3, vocab, size=int(rng.integers(*lengths))).tolist()) for rid in ids]
             arrivals: dict[str, float] = {}
             prompts = dict(queue)
@@ -104,7 +111,7 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
                     cluster.submit(rid, prompt, {"max_tokens": output, "ignore_eos": True})
                 del queue[:n]
 
-            submit(1 if stagger else len(queue))
+            submit(1 if stagger or chain else len(queue))
             left, last, decoded = set(ids), ids[0], None  # decode steps since `last` decoded (None: not yet)
             while left:
                 if time.monotonic() > deadline:
@@ -127,6 +134,8 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
                         if not e.ok:
                             raise RuntimeError(f"the host-time probe's request {e.req_id} failed: {e.error}")
                         left.discard(e.req_id)
+                        if chain and queue:
+                            submit(1)
                         done.append(build_request_record(
                             **tag, id=e.req_id, prompt_ids=prompts[e.req_id], output_ids=e.output_ids,
                             arrival=arrivals[e.req_id], token_times=times[e.req_id], slo=slo, phases=dict(e.phases),
@@ -146,6 +155,7 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
         cpu0 = time.process_time()
         for i in range(REQUESTS):
             serve([f"h{i}"])
+        serve([f"p{i}" for i in range(CHAINED)], 1, chain=True)
         for k in range(BURSTS):
             serve([f"b{k}.{i}" for i in range(BURST)])
         serve([f"c{i}" for i in range(CO_REQUESTS)], CO_OUTPUT, stagger=True)

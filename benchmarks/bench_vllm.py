@@ -35,6 +35,8 @@ from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AVX2_STAND_IN = "x86-64-v3"  # --isa of bench_vllm_matrix: an AVX-512 box standing in for an AVX2-only CPU
+# and torch's kernels capped at AVX2 with it (pdlab's are built for AVX2_STAND_IN: PDLAB_KERNEL_MARCH)
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 STAND_IN_DIR = os.path.join(ROOT, "benchmarks", "avx2_stand_in")  # vLLM's side of it
 WORKER_TIMEOUT_S, STOP_S = 1800.0, 15.0  # one engine's run (vLLM's start-up included); its exit once told to
 

@@ -43,13 +43,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from bench_vllm import AVX2_STAND_IN, WorkerFailed, one  # noqa: E402
+from bench_vllm import AVX2_CAPS, AVX2_STAND_IN, WorkerFailed, one  # noqa: E402
 from bench_vllm_cells import SHAPES, WORKLOADS, select  # noqa: E402
 from bench_vllm_table import env_facts, summarize, table  # noqa: E402
 
 ISAS = ("native", AVX2_STAND_IN)
 MAX_RUNNING = 64  # sequences per step at most, both engines (vLLM's max_num_seqs)
-AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 class Parser(argparse.ArgumentParser):

@@ -5,6 +5,7 @@ recipes it was never fitted on for real and in the simulator, and set the figure
     python benchmarks/timing_validation.py --out DIR --profile box.yaml            # an existing profile
     python benchmarks/timing_validation.py --out DIR --requests 16 --repeats 1 --no-again --no-calibrate  # ~3 min
     python benchmarks/timing_validation.py --out DIR --model path/to/saved-model --dtype float32   # another model
+    python benchmarks/timing_validation.py --out DIR --isa x86-64-v3   # an AVX-512 box standing in for AVX2
 
 Each recipe is a model (cpu-demo unless --model) on two single-core workers, unified (2 replicas) against a
 1P1D deployment, with a length mix of its own: short prompts and outputs (pull), long prompts (push), and a wide
@@ -41,6 +42,11 @@ a user adds each run checked (`--write-drift`): the next recipes' bands then hol
 sustained load, which one short calibration right after the profile does not see; a recipe's own runs never feed its
 own forecast, and the point forecast never reads the drift. DIR/validation.json keeps every figure; the runs stay in
 DIR for pdlab compare.
+
+--isa x86-64-v3 runs everything (profile, calibration, recipes) as bench_vllm_matrix's AVX2 stand-in: pdlab's
+kernels built for that target and torch's capped at AVX2, so each kernel races torch's AVX2 path as on an
+AVX2-only CPU (the kernels' choice differs: prefill attention and RMSNorm go to torch on this project's Xeon).
+The code paths are an AVX2 CPU's; the caches, memory and clock are still this box's.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from bench_vllm import AVX2_CAPS, AVX2_STAND_IN  # noqa: E402
+from pdlab.constants import KERNEL_MARCH_ENV  # noqa: E402
 from pdlab.engine.model import PRESETS, ModelLoadError, model_config  # noqa: E402
 from pdlab.recipe import RecipeError, load_profile  # noqa: E402
 from pdlab.recipe.model import ModelSpec  # noqa: E402
@@ -264,7 +273,12 @@ def main() -> int:
     ap.add_argument("--again", action=argparse.BooleanOptionalAction, default=True,
                     help="run each real recipe twice and hold the two real runs to the targets against each other "
                          "(default: on)")
+    ap.add_argument("--isa", choices=("native", AVX2_STAND_IN), default="native",
+                    help=f"native, or {AVX2_STAND_IN}: every run as an AVX2-only CPU's code paths (pdlab's kernels "
+                         "built for it, torch's capped at AVX2; default native)")
     args = ap.parse_args()
+    if args.isa == AVX2_STAND_IN:  # inherited by every pdlab command below, and their workers
+        os.environ.update({**AVX2_CAPS, KERNEL_MARCH_ENV: AVX2_STAND_IN})
     accumulate = args.calibrate if args.accumulate is None else args.accumulate
     names = [n for n in args.recipes.split(",") if n]
     if any(n not in RECIPES for n in names):
@@ -307,7 +321,8 @@ def main() -> int:
         print(run(py + ["profile", "--model", model.get("preset") or model["path"], "--steps", str(args.steps),
                         "--out", profile] + (["--dtype", args.dtype] if args.dtype else []),
                   os.path.join(args.out, "profile.log")))
-    results = {"model": model, "profile": profile, "given_profile": args.profile, "targets": TARGETS, "recipes": {}}
+    results = {"model": model, "isa": args.isa, "profile": profile, "given_profile": args.profile, "targets": TARGETS,
+               "recipes": {}}
     if args.calibrate:
         print("calibration: one real run of its own length mix, its pace into the profile's drift", flush=True)
         raw = plan_rates(base_recipe("calibration", args.requests // 2, 1, model, context), profile)

@@ -5,6 +5,7 @@ workers' says so. A real timed run ends with the check line."""
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -24,7 +25,7 @@ from pdlab.recipe.timing import HostTiming, StepTiming
 from pdlab.sim.simulator import Simulator
 from pdlab.timing.build import fit_warnings
 from pdlab.timing.check import CheckError, check_run, check_steps, lines, profile_for, samples
-from pdlab.timing.host import host_raw, host_times
+from pdlab.timing.host import MIN_SAMPLES, admit_fit, host_raw, host_times
 from pdlab.timing.provenance import differences, machine_warnings, worker_warning
 from pdlab.timing.write import profile_raw, write_profile
 from pdlab.workload import WorkloadRequest
@@ -503,3 +504,16 @@ def test_a_profile_names_the_model_it_was_measured_on_and_a_check_compares_it(tm
     assert other_model(at, model({"path": "./n"})) is not None  # another directory
     assert other_model(at, model({"preset": "cpu-demo"})) is not None  # a preset, not that directory
     assert other_model(at, model({"path": "Qwen/Qwen3-0.6B"})) is None  # a hub id here: cannot be told, not claimed
+
+
+def test_admit_time_is_never_below_zero_where_the_gaps_scatter_below_the_plain_one():
+    """On a fast host the gaps with a tiny hand-over admitted can come out shorter than the plain gap (the CI
+    failure of 2026-12-04: admit_ms -0.16, a profile that did not load). The line's foot stays at 0 and its
+    slope goes through 0; pushes and pulls all alike give 0, not a negative median."""
+    pulls = [(-0.0002 + 0.0006 * k / 1000, k / 1000, True) for k in (100, 300, 500, 700, 900) for _ in range(2)]
+    admit_ms, ktok_ms = admit_fit(pulls)  # the line says -0.2 ms + 0.6 ms per 1000 tokens
+    assert admit_ms == 0.0 and ktok_ms == pytest.approx(statistics.median(1000 * y / x for y, x, _ in pulls))
+    assert ktok_ms == pytest.approx(0.2)  # through 0 and the pulls' median (500 tokens, 0.1 ms)
+    assert admit_fit([(-0.0001, 0.5, False)] * 8) == (0.0, None)
+    assert admit_fit([(-0.0001, 0.5, True)] * 8) == (0.0, 0.0)
+    assert admit_fit([(-0.0001, 0.5, True)] * (MIN_SAMPLES - 1)) == (None, None)

@@ -151,20 +151,26 @@ def admits(steps: list[dict], requests: list[dict]) -> list[tuple[float, float, 
 def admit_fit(rows: list[tuple[float, float, bool]]) -> tuple[Optional[float], Optional[float]]:
     """(admit_ms, admit_ktok_ms) from `admits` rows: a Theil-Sen line through the pulls' (thousands of tokens,
     ms) where their tokens span MIN_SPAN_KTOK, its slope no less than 0; else the median of every row, and 0
-    for pulls all alike (their copy is in the median), None for pushes. (None, None): fewer than MIN_SAMPLES
-    rows."""
+    for pulls all alike (their copy is in the median), None for pushes. Neither figure is below 0, however the
+    gaps scatter. (None, None): fewer than MIN_SAMPLES rows."""
     if len(rows) < MIN_SAMPLES:
         return None, None
     pulls = [(x, y * 1000.0) for y, x, pulled in rows if pulled]
     if len(pulls) < MIN_SAMPLES:  # pushes: nothing said of a pull's copy
-        return median_ms([y for y, _, _ in rows]), None
+        return max(median_ms([y for y, _, _ in rows]), 0.0), None
     xs = [x for x, _ in pulls]
     if max(xs) - min(xs) < MIN_SPAN_KTOK:  # pulls all alike: the median holds their copy
-        return median_ms([y for y, _, _ in rows]), 0.0
+        return max(median_ms([y for y, _, _ in rows]), 0.0), 0.0
     slopes = [(yb - ya) / (xb - xa) for i, (xa, ya) in enumerate(pulls) for xb, yb in pulls[i + 1:]
               if abs(xb - xa) >= MIN_SPAN_KTOK / 4]
     slope = max(statistics.median(slopes), 0.0) if slopes else 0.0
-    return statistics.median(y - slope * x for x, y in pulls), slope
+    base = statistics.median(y - slope * x for x, y in pulls)
+    if base >= 0.0:
+        return base, slope
+    # An admission takes no negative time: where the gaps' noise puts the line's foot below 0 (a fast host, tiny
+    # hand-overs), the line goes through 0 and its slope is the pulls' median ms per thousand tokens.
+    through = [y / x for x, y in pulls if x > 0]  # not empty: the pulls' tokens span MIN_SPAN_KTOK
+    return 0.0, max(statistics.median(through), 0.0)
 
 
 def sends(requests: list[dict]) -> list[float]:

@@ -139,6 +139,9 @@ SLOTS_NEAR = 0.9
 PACE_DRIFT = 0.1
 PROFILE_MIN_R2 = 0.9  # pdlab profile: held-out R^2 (overall or of a kind) below this
 PROFILE_MAX_P90_PCT = 25.0  # pdlab profile: held-out p90 percentage error above this
+# pdlab profile: the box's pace (pdlab.timing.pace) after the steps this far from before them: the box changed speed
+# while measured (x1.21-1.28 in the two profiles of 2026-12-07 whose held-out MAPE was 12-15%, against 3.5-4% the days before)
+PROFILE_PACE_MOVED = 0.15
 
 # ---- nodes: `pdlab worker` on another machine (pdlab.serve.agent), the control plane on TCP (pdlab.serve.curve) ----
 JOIN_TIMEOUT_S = 120.0  # a run waits this long for the nodes its workers are placed on (control.join_timeout_s)

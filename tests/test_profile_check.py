@@ -16,14 +16,14 @@ import yaml
 from cli_helpers import pdlab as pdlab_here
 from engine_helpers import prompts
 from proc_helpers import descendants, running
-from pdlab.constants import PROFILE_CHECK_MAPE_PCT
+from pdlab.constants import PROFILE_CHECK_MAPE_PCT, PROFILE_PACE_MOVED
 from pdlab.engine import Engine, EngineConfig, SamplingParams
 from pdlab.engine.model import load_stand_in
 from pdlab.engine.timed import StepCounts, count_step
 from pdlab.recipe import TimingProfile, load_profile, parse_recipe
 from pdlab.recipe.timing import HostTiming, StepTiming
 from pdlab.sim.simulator import Simulator
-from pdlab.timing.build import fit_warnings
+from pdlab.timing.build import fit_warnings, pace_warnings
 from pdlab.timing.check import CheckError, check_run, check_steps, lines, profile_for, samples
 from pdlab.timing.host import MIN_SAMPLES, admit_fit, host_raw, host_times
 from pdlab.timing.provenance import differences, machine_warnings, worker_warning
@@ -269,6 +269,18 @@ def test_fit_warnings_say_what_to_do():
     w = fit_warnings(good, {"prefill": good, "decode": {"steps": 9, "r2": 0.5, "p90_pct": 30.0}, "mixed": good},
                      400)
     assert len(w) == 1 and "decode steps: R^2 0.50 < 0.9, p90 error 30% > 25%" in w[0] and "--steps 800" in w[0]
+
+
+def test_a_profile_warns_when_the_box_changed_speed_while_its_steps_were_measured():
+    """The two profiles of 2026-12-07 whose held-out MAPE was 12-15% (3.5-4% days before) timed the box's pace
+    at 3.21 then 4.12 ms, and 3.16 then 2.61 ms: either way a warning, with the figures and what to do. Within
+    PROFILE_PACE_MOVED, or one pace (CUDA takes none), nothing."""
+    slower, faster = pace_warnings([3.21, 4.12]), pace_warnings([3.16, 2.61])
+    assert len(slower) == 1 and "from 3.21 to 4.12 ms (x1.28)" in slower[0] and "--write-drift" in slower[0]
+    assert len(faster) == 1 and "(x0.83)" in faster[0]
+    assert pace_warnings([3.0, 3.0 * (1 + PROFILE_PACE_MOVED) * 0.99]) == []
+    assert pace_warnings([3.0 * (1 + PROFILE_PACE_MOVED) * 0.99, 3.0]) == []
+    assert pace_warnings([3.0]) == pace_warnings(None) == pace_warnings([]) == []
 
 
 # ---- host time ----

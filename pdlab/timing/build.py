@@ -9,14 +9,14 @@ from typing import Optional
 
 import numpy as np
 
-from pdlab.constants import PROFILE_CHECK_MAPE_PCT, PROFILE_MAX_P90_PCT, PROFILE_MIN_R2
-
-BUSY_SHARE = 0.9  # a measuring process with less of its core than this: the box was busy
+from pdlab.constants import PROFILE_CHECK_MAPE_PCT, PROFILE_MAX_P90_PCT, PROFILE_MIN_R2, PROFILE_PACE_MOVED
 from pdlab.engine.timed import StepCounts
 from pdlab.timing import fit as F
 from pdlab.timing.contention import SPREADS, after_prefill_fit, contention_raw, describe, estimate
 from pdlab.timing.host import host_raw
 from pdlab.timing.write import profile_raw
+
+BUSY_SHARE = 0.9  # a measuring process with less of its core than this: the box was busy
 
 
 def samples_of(res: dict) -> list[F.StepSample]:
@@ -63,6 +63,7 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     coef = F.fit_steps(train)
     held, train_err, kinds = F.errors(coef, test), F.errors(coef, train), F.by_kind(coef, test)
     warnings = fit_warnings(held, kinds, steps)
+    warnings += pace_warnings(res.get("pace_ms"))
     share = cpu_share(ss)
     if share is not None and share < BUSY_SHARE:
         warnings.insert(0, f"the measuring process ran {share:.0%} of its steps' time (its CPU time over their wall "
@@ -167,6 +168,22 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
         report.append(f"contention: {describe(contention or {})}")
     report += [f"warning: {w}" for w in warnings]
     return raw, report
+
+
+def pace_warnings(paces: Optional[list[float]]) -> list[str]:
+    """A warning where the box's pace (ms, before and after the steps) moved more than PROFILE_PACE_MOVED while
+    the steps were measured: the same computation took that much longer or shorter a minute later, and the step
+    model carries a mix of both speeds that neither the held-out error nor the R^2 show (the held-out steps were
+    measured in the same minute)."""
+    if not paces or len(paces) < 2 or min(paces) <= 0:
+        return []
+    moved = max(paces[-1] / paces[0], paces[0] / paces[-1])
+    if moved - 1 <= PROFILE_PACE_MOVED:
+        return []
+    return [f"the box's pace moved from {paces[0]:.3g} to {paces[-1]:.3g} ms (x{paces[-1] / paces[0]:.2f}) while the "
+            "steps were measured: the box changed speed under the profile, and its runs will too. Measure again when "
+            "the box is quiet (see `uptime`, and other VMs' load on a shared host), and read forecasts from this "
+            "profile with their band (pdlab profile --check RUN_DIR --profile FILE --write-drift)"]
 
 
 def worker_step_warnings(alone: dict[str, float]) -> list[str]:

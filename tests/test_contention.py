@@ -355,3 +355,8 @@ def test_a_probe_whose_workers_step_far_off_the_profile_warns_by_kind():
     (w,) = worker_step_warnings({"decode": 1.32, "prefill": 1.0})
     assert "ran their decode steps at x1.32 the step model" in w and "kernels" in w
     assert len(worker_step_warnings({"decode": 0.5, "prefill": 3.0})) == 2
+    # the box sped up x0.74 under the profile's steps (2026-12-07): the warning names the box, not the kernels
+    (box,) = worker_step_warnings({"decode": 0.75, "prefill": 0.95}, moved=0.74)
+    assert "decode steps at x0.75" in box and "pace moved x0.74" in box and "kernels" not in box
+    (path,) = worker_step_warnings({"decode": 0.75, "prefill": 0.95}, moved=1.05)  # a steady box: the path
+    assert "kernels" in path and "pace moved" not in path

@@ -103,7 +103,7 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
             # model's pace, as the profile's own did a minute before (x0.98-1.06 on the 2-core Xeon; BENCHMARKS.md,
             # 2026-12-03 seventh session); far off, the profile did not measure what a worker runs
             fit["host"]["worker_steps"] = {k: round(x, 4) for k, x in est["alone"].items() if x is not None}
-            warnings += worker_step_warnings(fit["host"]["worker_steps"])
+            warnings += worker_step_warnings(fit["host"]["worker_steps"], pace_moved(res.get("pace_ms")))
             fit["contention"] = {"samples": est["samples"], "probed": probed,
                                  "how": "the host probe's steps against the fitted step model (pdlab.timing."
                                         "contention); cold_ms and the decode spreads kept, prefill_x and decode_x "
@@ -170,28 +170,44 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     return raw, report
 
 
+def pace_moved(paces: Optional[list[float]]) -> Optional[float]:
+    """The box's pace after the profile's steps over before them (pdlab.timing.pace; None without both)."""
+    if not paces or len(paces) < 2 or min(paces) <= 0:
+        return None
+    return paces[-1] / paces[0]
+
+
+def moved_far(x: Optional[float]) -> bool:
+    return x is not None and max(x, 1 / x) - 1 > PROFILE_PACE_MOVED
+
+
 def pace_warnings(paces: Optional[list[float]]) -> list[str]:
     """A warning where the box's pace (ms, before and after the steps) moved more than PROFILE_PACE_MOVED while
     the steps were measured: the same computation took that much longer or shorter a minute later, and the step
     model carries a mix of both speeds that neither the held-out error nor the R^2 show (the held-out steps were
     measured in the same minute)."""
-    if not paces or len(paces) < 2 or min(paces) <= 0:
+    x = pace_moved(paces)
+    if not moved_far(x):
         return []
-    moved = max(paces[-1] / paces[0], paces[0] / paces[-1])
-    if moved - 1 <= PROFILE_PACE_MOVED:
-        return []
-    return [f"the box's pace moved from {paces[0]:.3g} to {paces[-1]:.3g} ms (x{paces[-1] / paces[0]:.2f}) while the "
+    return [f"the box's pace moved from {paces[0]:.3g} to {paces[-1]:.3g} ms (x{x:.2f}) while the "
             "steps were measured: the box changed speed under the profile, and its runs will too. Measure again when "
             "the box is quiet (see `uptime`, and other VMs' load on a shared host), and read forecasts from this "
             "profile with their band (pdlab profile --check RUN_DIR --profile FILE --write-drift)"]
 
 
-def worker_step_warnings(alone: dict[str, float]) -> list[str]:
+def worker_step_warnings(alone: dict[str, float], moved: Optional[float] = None) -> list[str]:
     """A warning for each kind of step (kind -> the median of the host probe's warm steps alone over the step
-    model) that a real worker stepped more than PROFILE_CHECK_MAPE_PCT off the profile's own."""
+    model) that a real worker stepped more than PROFILE_CHECK_MAPE_PCT off the profile's own. Where the box's
+    pace moved far while the steps were measured (`moved`, pace_moved), that is the likelier cause, and the
+    warning says so rather than blame the worker path (2026-12-07: the pace x0.74, the probe's steps x0.75-0.84)."""
+    if moved_far(moved):
+        why = (f"; the box's pace moved x{moved:.2f} while the profile's steps were measured, the likelier cause: "
+               "measure again on a quiet box")
+    else:
+        why = (": the profile's steps were not a worker's. Compare the kernels a run's workers report (env.json) "
+               "with the profile's, and measure again on a quiet box")
     return [f"the host probe's workers (a real deployment of the model, right after the steps) ran their {kind} "
-            f"steps at x{x:.2f} the step model: the profile's steps were not a worker's. Compare the kernels a "
-            "run's workers report (env.json) with the profile's, and measure again on a quiet box"
+            f"steps at x{x:.2f} the step model{why}"
             for kind, x in alone.items() if abs(x - 1) * 100 > PROFILE_CHECK_MAPE_PCT]
 
 

@@ -84,8 +84,10 @@ def test_the_estimate_reads_back_what_the_steps_took():
 
 
 def test_a_slower_box_is_not_counted_as_cold_time():
-    """Every step 1.5x longer, cold cost included: the cold cost reads 1.5 x 4 ms, the factors as they were."""
-    slow = [dict(s, end=s["start"] + (s["end"] - s["start"]) * 1.5) for s in synthetic(1.3, 1.1, 4.0)]
+    """Everything 1.5x longer, cold cost and idle time included: the cold cost reads 1.5 x 4 ms, the factors as
+    they were. (It is read from the decode worker's cold steps: the cold prefills have no warm prefill alone to
+    give their kind's pace, and are left out.)"""
+    slow = [dict(s, start=s["start"] * 1.5, end=s["end"] * 1.5) for s in synthetic(1.3, 1.1, 4.0)]
     est = estimate(StepTiming(**STEP).to_raw(), slow)
     # the warm steps alone say how far the box (or a worker's code path) is off the model; cold ones do not count
     assert est["alone"]["decode"] == pytest.approx(1.5, rel=1e-6) and est["alone"]["prefill"] is None
@@ -93,6 +95,32 @@ def test_a_slower_box_is_not_counted_as_cold_time():
     assert est["cold_ms"] == pytest.approx(6.0, abs=0.1)
     assert est["decode_x"] == pytest.approx(1.1, rel=0.05)
     assert est["prefill_x"] == pytest.approx(1.3, rel=0.05)  # no warm prefill alone: against the warm decodes
+
+
+def test_a_cold_step_is_read_at_the_pace_of_its_own_kind():
+    """A unified worker whose decode steps run x0.8 the model and its prefills x1.1, with no cold cost at all:
+    each request comes to it idle, so every cold step is a 400-token prefill. At the decode steps' pace those
+    would read +60 ms "cold" (the 2026-12-07 unified runs: +14-46 ms); with no warm prefill alone to give their
+    own pace they are left out, and with some they read 0."""
+    def worker(warm_prefills):
+        steps, t = [], 1.0
+        for _ in range(8):
+            for k in range(1 + warm_prefills):  # the first after idling is cold; the next ones, back to back, warm
+                ms = model_ms(prefill=400) * 1.1
+                steps.append(step("u", t, ms, prefill=400))
+                t += ms / 1e3 + 0.0002
+            for _ in range(20):
+                ms = model_ms(decode=2) * 0.8
+                steps.append(step("u", t, ms, decode=2))
+                t += ms / 1e3 + 0.0002
+            t += 0.1  # idle: the next step is cold
+        return steps
+
+    coef = StepTiming(**STEP).to_raw()
+    assert estimate(coef, worker(0))["cold_ms"] is None  # only cold prefills, and no prefill pace to read them at
+    est = estimate(coef, worker(1))
+    assert est["cold_ms"] == pytest.approx(0.0, abs=0.01) and est["samples"]["cold"] == 8
+    assert est["alone"]["prefill"] == pytest.approx(1.1) and est["alone"]["decode"] == pytest.approx(0.8)
 
 
 def test_too_few_steps_leave_a_figure_out():

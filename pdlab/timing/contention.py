@@ -15,8 +15,9 @@ it, and the time since its worker's previous step ended (None for a worker's fir
 the profile's ContentionTiming from steps and the step model that predicts them:
 
 - cold_ms: the median of measured - predicted over cold steps with no other worker stepping (the step model
-  was fitted on warm ones: what is left over is the cold cost), predicted at the pace of the warm steps with
-  none stepping (a run on a box slower than its profile's does not count its slowness as cold time);
+  was fitted on warm ones: what is left over is the cold cost), predicted at the pace of the warm steps of its
+  kind (prefill or decode-only) with none stepping (a run on a box slower than its profile's does not count
+  its slowness as cold time; a kind with too few such steps leaves its cold steps out);
 - prefill_x, decode_x: the median of measured / predicted over steps of that kind while the other workers
   stepped (TOGETHER or more of the step's time; a cold step's cold_ms taken off first), over the same for warm
   steps with none stepping (with fewer of those than MIN_SAMPLES, over the warm alone steps of any kind:
@@ -41,6 +42,7 @@ MIN_SPREAD.
 from __future__ import annotations
 
 import bisect
+import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -128,9 +130,18 @@ def estimate(coef: dict, steps: list[dict], own_cpu: bool = False) -> dict:
     rows = [_Row(s.get("prefill_tokens", 0) > 0, s.get("decode_seqs", 0),
                  s["cpu_s"] * 1e3 if own_cpu and s.get("cpu_s") is not None else mp[0], mp[1], c)
             for s, mp, c in zip(steps, _modelled(coef, steps), ctx) if mp is not None]
-    warm = [r.ratio for r in rows if not r.c.cold and r.c.others_busy <= ALONE]
-    pace = statistics.median(warm) if len(warm) >= MIN_SAMPLES else 1.0  # a run on a slower box: not cold time
-    cold = [r.m - r.p * pace for r in rows if r.c.cold and r.c.others_busy <= ALONE]
+    warm = [r for r in rows if not r.c.cold and r.c.others_busy <= ALONE]
+    pace = statistics.median(r.ratio for r in warm) if len(warm) >= MIN_SAMPLES else 1.0
+    # A run on a slower box is not cold time: each cold step is predicted at the pace of the warm steps of its kind
+    # alone. A kind with too few of those leaves its cold steps out (with warm steps too few of any kind, the
+    # model's own pace, 1): one kind's pace is not the other's, and over a prefill of hundreds of tokens the gap is
+    # more than a cold cost (2026-12-07, a unified run's cold steps, all prefills, at its decode steps' pace x0.80
+    # while its prefills stepped x1.08-1.16: +46 ms "cold" against 2.8 ms from its 1P1D run)
+    paces = {kind: statistics.median(xs) for kind in (True, False)
+             if len(xs := [r.ratio for r in warm if r.prefill == kind]) >= MIN_SAMPLES}
+    cold = [r.m - r.p * paces.get(r.prefill, pace if len(warm) < MIN_SAMPLES else math.nan) for r in rows
+            if r.c.cold and r.c.others_busy <= ALONE]
+    cold = [x for x in cold if not math.isnan(x)]
     cold_ms = statistics.median(cold) if len(cold) >= MIN_SAMPLES else None
     off = max(cold_ms or 0.0, 0.0)
     out: dict = {"cold_ms": None if cold_ms is None else max(cold_ms, 0.0), "samples": {"cold": len(cold)}}

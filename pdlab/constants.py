@@ -140,7 +140,7 @@ PACE_DRIFT = 0.1
 PROFILE_MIN_R2 = 0.9  # pdlab profile: held-out R^2 (overall or of a kind) below this
 PROFILE_MAX_P90_PCT = 25.0  # pdlab profile: held-out p90 percentage error above this
 # pdlab profile: the box's pace (pdlab.timing.pace) after the steps this far from before them: the box changed speed
-# while measured (x1.21-1.28 in the two profiles of 2026-12-07 whose held-out MAPE was 12-15%, against 3.5-4% the days before)
+# while measured (on a 2-core AMD EPYC, 2026-12-07: x0.74-1.38 in four profiles whose held-out MAPE was 12-18%)
 PROFILE_PACE_MOVED = 0.15
 
 # ---- nodes: `pdlab worker` on another machine (pdlab.serve.agent), the control plane on TCP (pdlab.serve.curve) ----

@@ -272,9 +272,9 @@ def test_fit_warnings_say_what_to_do():
 
 
 def test_a_profile_warns_when_the_box_changed_speed_while_its_steps_were_measured():
-    """The two profiles of 2026-12-07 whose held-out MAPE was 12-15% (3.5-4% days before) timed the box's pace
-    at 3.21 then 4.12 ms, and 3.16 then 2.61 ms: either way a warning, with the figures and what to do. Within
-    PROFILE_PACE_MOVED, or one pace (CUDA takes none), nothing."""
+    """Two profiles of 2026-12-07 whose held-out MAPE was 12-15% timed the box's pace at 3.21 then 4.12 ms, and
+    3.16 then 2.61 ms: either way a warning, with the figures and what to do. Within PROFILE_PACE_MOVED, or one
+    pace (CUDA takes none), nothing."""
     slower, faster = pace_warnings([3.21, 4.12]), pace_warnings([3.16, 2.61])
     assert len(slower) == 1 and "from 3.21 to 4.12 ms (x1.28)" in slower[0] and "--write-drift" in slower[0]
     assert len(faster) == 1 and "(x0.83)" in faster[0]

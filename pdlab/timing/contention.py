@@ -42,7 +42,6 @@ MIN_SPREAD.
 from __future__ import annotations
 
 import bisect
-import math
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
@@ -137,11 +136,11 @@ def estimate(coef: dict, steps: list[dict], own_cpu: bool = False) -> dict:
     # model's own pace, 1): one kind's pace is not the other's, and over a prefill of hundreds of tokens the gap is
     # more than a cold cost (2026-12-07, a unified run's cold steps, all prefills, at its decode steps' pace x0.80
     # while its prefills stepped x1.08-1.16: +46 ms "cold" against 2.8 ms from its 1P1D run)
-    paces = {kind: statistics.median(xs) for kind in (True, False)
-             if len(xs := [r.ratio for r in warm if r.prefill == kind]) >= MIN_SAMPLES}
-    cold = [r.m - r.p * paces.get(r.prefill, pace if len(warm) < MIN_SAMPLES else math.nan) for r in rows
-            if r.c.cold and r.c.others_busy <= ALONE]
-    cold = [x for x in cold if not math.isnan(x)]
+    paces = ({kind: statistics.median(xs) for kind in (True, False)
+              if len(xs := [r.ratio for r in warm if r.prefill == kind]) >= MIN_SAMPLES}
+             if len(warm) >= MIN_SAMPLES else {True: 1.0, False: 1.0})
+    cold = [r.m - r.p * paces[r.prefill] for r in rows
+            if r.c.cold and r.c.others_busy <= ALONE and r.prefill in paces]
     cold_ms = statistics.median(cold) if len(cold) >= MIN_SAMPLES else None
     off = max(cold_ms or 0.0, 0.0)
     out: dict = {"cold_ms": None if cold_ms is None else max(cold_ms, 0.0), "samples": {"cold": len(cold)}}

@@ -35,7 +35,7 @@ into the profile's drift (pdlab profile --check --write-drift); every forecast t
 simulated with every worker at the slow and the fast end of that drift (pdlab.sim.band), and each real figure is
 counted inside the band and within its target of it. A recipe's runs never feed its own forecast, and none feeds the
 step model. A second forecast is scored beside the first, from a copy of the profile that also took the calibration
-run's host time and contention (--write-host: the factors beside stepping workers a fresh profile leaves at 1). With
+run's host time and contention (--write-host: the run's own in place of the profile's host probe's). With
 --accumulate (the default with --calibrate; with --no-calibrate, the drift of the profile, given or measured, grows
 from the first recipe's runs) each recipe's real runs go into the drift once that recipe is scored, as
 a user adds each run checked (`--write-drift`): the next recipes' bands then hold the box's pace over minutes of
@@ -330,8 +330,8 @@ def main() -> int:
         with open(path, "w") as f:
             yaml.safe_dump(raw, f, sort_keys=False)
         run(py + ["run", path, "--out", cal], os.path.join(args.out, "calibration-real.log"))
-        # beside the profile, a copy with the calibration's host time and contention too (--write-host: prefill_x
-        # and decode_x beside stepping workers, which a fresh profile leaves at 1): does one run's worth help?
+        # beside the profile, a copy with the calibration's host time and contention in place of the host probe's
+        # (--write-host: prefill_x and decode_x beside stepping workers among them): does one run's worth help?
         # Copied before the drift is written: a drift is read against the profile it is kept in
         calibrated = os.path.join(args.out, "box-calibrated.yaml")
         shutil.copyfile(profile, calibrated)

@@ -94,11 +94,13 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
         if host.get("steps"):
             est = estimate(coef, host["steps"])
             probed = contention_raw(est)
-            # the probe's steps beside a neighbour are not a run's mix, and their factor did not carry to runs
-            # (x1.24 probed with 64-256-token prompts, x1.02-1.05 in runs of long and chunked prompts;
-            # BENCHMARKS.md, 2026-12-03); its cold steps did (2.0 ms probed, 0.5-2.4 in runs),
-            # and so does the spread of decode steps (each over its own median, it leaves the factor out)
-            contention = {k: v for k, v in probed.items() if k in ("cold_ms",) + SPREADS} or None
+            # all of it, the factors beside stepping workers too. They were once left out (x1.24 probed with
+            # short prompts where runs of long ones stepped x1.02-1.05 on the Xeon, and keeping them cost 11 of 408
+            # figures there); on the AVX2 EPYC the issue came from, the probe read prefill x1.11-1.16 and decode
+            # x1.04-1.05, the runs x0.67-1.15 (long prompts lowest) and x1.01-1.15, and two validations' forecasts
+            # met 92 and 76 of 102 figures with them against 80 and 60 without (BENCHMARKS.md, 2026-12-07, second)
+            contention = {k: v for k, v in probed.items() if k in ("prefill_x", "decode_x", "cold_ms") + SPREADS} \
+                or None
             # the probe's workers are a real deployment of the model: its warm steps alone should step at the
             # model's pace, as the profile's own did a minute before (x0.98-1.06 on the 2-core Xeon; BENCHMARKS.md,
             # 2026-12-03 seventh session); far off, the profile did not measure what a worker runs
@@ -106,9 +108,9 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
             warnings += worker_step_warnings(fit["host"]["worker_steps"], pace_moved(res.get("pace_ms")))
             fit["contention"] = {"samples": est["samples"], "probed": probed,
                                  "how": "the host probe's steps against the fitted step model (pdlab.timing."
-                                        "contention); cold_ms and the decode spreads kept, prefill_x and decode_x "
-                                        "from a run's steps (pdlab profile --check RUN --profile FILE "
-                                        "--write-host)"}
+                                        "contention); all kept: prefill_x, decode_x, cold_ms and the decode "
+                                        "spreads (a run's steps replace them: pdlab profile --check RUN "
+                                        "--profile FILE --write-host)"}
         # the main process's time per worker step: what the probe's workers lost while they stepped together,
         # read as host_load takes it (contention.main_step), where they record their CPU time and it had no core
         # of its own; else its own CPU time per step, less than that (0.25 against 0.38-0.42 ms on the 2-core
@@ -161,9 +163,9 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     if fit.get("contention"):
         report.append(f"contention (the probe's workers stepping together and after idling): "
                       f"{describe(fit['contention']['probed'])} (samples: {fit['contention']['samples']}); kept: "
-                      f"{describe(contention or {})}, the factors beside stepping workers come from a run's steps "
-                      "(pdlab profile --check RUN --profile FILE --write-host; a run in a slow phase of the box "
-                      "reads them low, and --write-drift keeps its pace apart instead)")
+                      f"{describe(contention or {})} (a run's steps can replace them: pdlab profile --check RUN "
+                      "--profile FILE --write-host; a run in a slow phase of the box reads them low, and "
+                      "--write-drift keeps its pace apart instead)")
     if fitted is not None and not fit.get("contention"):
         report.append(f"contention: {describe(contention or {})}")
     report += [f"warning: {w}" for w in warnings]

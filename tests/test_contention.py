@@ -9,7 +9,7 @@ from pdlab.recipe import parse_recipe
 from pdlab.recipe.timing import ContentionTiming, StepTiming, parse_timing
 from pdlab.fields import RecipeError
 from pdlab.sim.simulator import Simulator
-from pdlab.timing.build import worker_step_warnings
+from pdlab.timing.build import kept_contention, worker_step_warnings
 from pdlab.timing.contention import (AFTER_STEPS, after_prefill_fit, context, contention_raw, describe, estimate,
                                      main_step, predicted_ms)
 from pdlab.timing.replay import worker_paces
@@ -388,3 +388,16 @@ def test_a_probe_whose_workers_step_far_off_the_profile_warns_by_kind():
     assert "decode steps at x0.75" in box and "pace moved x0.74" in box and "kernels" not in box
     (path,) = worker_step_warnings({"decode": 0.75, "prefill": 0.95}, moved=1.05)  # a steady box: the path
     assert "kernels" in path and "pace moved" not in path
+
+
+def test_a_fresh_profile_keeps_its_probes_contention_with_no_factor_below_1():
+    """The probe's factors beside stepping workers, cold step and decode spreads go into the profile; a factor
+    below 1 (the box's pace moving between the probe's steps alone and together) is kept as 1; what the probe
+    read for after_prefill and the main process is not kept (a run's steps give those)."""
+    spread = [1.0, 1.1, 1.2, 1.3, 1.4]
+    probed = {"prefill_x": 1.16, "decode_x": 0.967, "cold_ms": 0.4, "after_prefill_x": 1.3, "main_step_ms": 0.7,
+              "decode_spread": spread}
+    assert kept_contention(probed) == {"prefill_x": 1.16, "decode_x": 1.0, "cold_ms": 0.4, "decode_spread": spread}
+    assert kept_contention({"prefill_x": 0.5}) == {"prefill_x": 1.0}
+    assert kept_contention({"main_step_ms": 0.7}) is None and kept_contention({}) is None
+    ContentionTiming(**kept_contention(probed))  # a profile's contention block as it loads

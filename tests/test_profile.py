@@ -304,10 +304,11 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     assert t.host.gap_ms > 0 and t.host.hop_ms > 0 and t.host.handoff_ms > 0  # from a real 1P1D deployment
     assert t.contention.after_prefill_x > 0 and 0 <= t.contention.after_prefill_decay <= 1  # measured beside
     assert t.contention.main_step_ms > 0  # the probe's main process's time per worker step
-    # the probe's factors beside stepping workers are kept as measured (its decode steps together: hundreds)
+    # the probe's factors beside stepping workers are kept as measured, at 1 or more (its decode steps together:
+    # hundreds)
     probed = t.fit["contention"]["probed"]
-    assert probed["decode_x"] > 0 and t.contention.decode_x == probed["decode_x"]
-    assert t.contention.prefill_x == probed.get("prefill_x", 1.0)
+    assert probed["decode_x"] > 0 and t.contention.decode_x == max(probed["decode_x"], 1.0)
+    assert t.contention.prefill_x == max(probed.get("prefill_x", 1.0), 1.0)
     assert t.host.send_ms > 0 and t.fit["host"]["samples"]["sends"] >= BURST  # bursts: the quickest one's
     # one at a time, prefills chained (warm prefill steps alone), bursts, staggered: every request served
     assert t.fit["host"]["requests"] == REQUESTS + CHAINED + BURSTS * BURST + CO_REQUESTS

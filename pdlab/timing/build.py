@@ -94,13 +94,7 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
         if host.get("steps"):
             est = estimate(coef, host["steps"])
             probed = contention_raw(est)
-            # all of it, the factors beside stepping workers too. They were once left out (x1.24 probed with
-            # short prompts where runs of long ones stepped x1.02-1.05 on the Xeon, and keeping them cost 11 of 408
-            # figures there); on the AVX2 EPYC the issue came from, the probe read prefill x1.11-1.16 and decode
-            # x1.04-1.05, the runs x0.67-1.15 (long prompts lowest) and x1.01-1.15, and two validations' forecasts
-            # met 92 and 76 of 102 figures with them against 80 and 60 without (BENCHMARKS.md, 2026-12-07, second)
-            contention = {k: v for k, v in probed.items() if k in ("prefill_x", "decode_x", "cold_ms") + SPREADS} \
-                or None
+            contention = kept_contention(probed)
             # the probe's workers are a real deployment of the model: its warm steps alone should step at the
             # model's pace, as the profile's own did a minute before (x0.98-1.06 on the 2-core Xeon; BENCHMARKS.md,
             # 2026-12-03 seventh session); far off, the profile did not measure what a worker runs
@@ -108,8 +102,8 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
             warnings += worker_step_warnings(fit["host"]["worker_steps"], pace_moved(res.get("pace_ms")))
             fit["contention"] = {"samples": est["samples"], "probed": probed,
                                  "how": "the host probe's steps against the fitted step model (pdlab.timing."
-                                        "contention); all kept: prefill_x, decode_x, cold_ms and the decode "
-                                        "spreads (a run's steps replace them: pdlab profile --check RUN "
+                                        "contention); all kept: prefill_x and decode_x (at 1 or more), cold_ms and "
+                                        "the decode spreads (a run's steps replace them: pdlab profile --check RUN "
                                         "--profile FILE --write-host)"}
         # the main process's time per worker step: what the probe's workers lost while they stepped together,
         # read as host_load takes it (contention.main_step), where they record their CPU time and it had no core
@@ -171,6 +165,22 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     report += [f"warning: {w}" for w in warnings]
     return raw, report
 
+
+
+def kept_contention(probed: dict) -> Optional[dict]:
+    """What a fresh profile keeps of its host probe's contention figures (`contention_raw`): the factors beside
+    stepping workers (at 1 or more), the cold step and the decode spreads; None where it has none of them.
+
+    The factors were once left out (x1.24 probed with short prompts where runs of long ones stepped x1.02-1.05 on
+    the Xeon, and keeping them cost 11 of 408 figures there); on the AVX2 EPYC the issue came from, the probe read
+    prefill x1.11-1.16 and decode x1.04-1.05, the runs x0.67-1.15 (long prompts lowest) and x1.01-1.15, and two
+    validations' forecasts met 92 and 76 of 102 figures with them against 80 and 60 without (BENCHMARKS.md,
+    2026-12-07, second). A neighbour's steps do not make a step faster: a factor below 1 is the box's pace moving
+    between the probe's steps alone and together (x0.95 and x0.97, read by a profile whose pace moved x1.27; kept
+    as read, its forecast met 77 against 84 at 1), so 1 is kept there."""
+    kept = {k: max(v, 1.0) if k in ("prefill_x", "decode_x") else v for k, v in probed.items()
+            if k in ("prefill_x", "decode_x", "cold_ms") + SPREADS}
+    return kept or None
 
 def pace_moved(paces: Optional[list[float]]) -> Optional[float]:
     """The box's pace after the profile's steps over before them (pdlab.timing.pace; None without both)."""

@@ -152,7 +152,10 @@ class ContentionTiming(Section):
 
     `main_step_ms`: the main process's (router and harness) time per worker step, as the workers lose it where it
     shares their cores (pdlab.timing.contention.main_step; its own CPU time per step is about half of it).
-    Where a deployment leaves it no core of its own the simulator takes it from them (pdlab.sim.host_load)."""
+    Where a deployment leaves it no core of its own the simulator takes it from them (pdlab.sim.host_load).
+
+    `join_ktok_ms`: what a decode worker's next step after it admitted hand-overs takes more, per 1000 prompt
+    tokens admitted: the step reads their KV first, written by another core (pdlab.timing.join)."""
 
     prefill_x: float = spec(1.0, "a number > 0 (a step with prefill tokens, all other workers stepping: x its "
                                  "model)", _factor)
@@ -168,6 +171,8 @@ class ContentionTiming(Section):
     main_step_ms: float = spec(0.0, f"{MS} (the main process's time per worker step, router and harness, as the "
                                     "workers lose it where they share its cores: the simulator takes it from them)",
                                _ms)
+    join_ktok_ms: float = spec(0.0, f"{MS} per 1000 prompt tokens (a decode worker's step after it admitted "
+                                    "hand-overs: their KV, written by another core, read there first)", _ms)
 
     def to_raw(self) -> dict:
         raw = super().to_raw()

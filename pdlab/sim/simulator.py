@@ -37,6 +37,8 @@ cold_ms more when its worker's last step ended constants.COLD_AFTER_MS
 or more before it (its first step included: a run's workers wait for their first request). A decode-only step
 is drawn from the profile's decode spreads where it has them (alone and beside, weighted by the same share),
 and carries after_prefill_x's excess, decayed by after_prefill_decay a step, after its worker's last prefill.
+A decode worker's first step after it admitted hand-overs takes join_ktok_ms more per 1000 prompt tokens
+admitted (their KV, written by another core, read there first; pdlab.timing.join).
 
 A worker's pace (pdlab.sim.pace.WorkerPace, given per worker: a run replayed at its own pace) scales its
 steps by its factor at the rate being simulated, and draws its gaps from the quantiles it carries.
@@ -271,6 +273,7 @@ class Simulator:
             copied = max(len(r.wr.prompt_ids) - skip * d.engine.config.block_size, 0)
             # its own time for it (and a pull's copy), before its next step
             d.free_at = max(d.free_at, admitted) + self.admit_s + self.admit_tok_s * copied
+            d.timing.joined_ktok += copied / 1000.0  # its next step reads their KV first (join_ktok_ms)
             r.phases["admitted"] = admitted
             p.engine.release(rid)
             p.holds.discard(rid)

@@ -4,8 +4,8 @@ one is given, on a host it shares with the deployment's other workers.
 - step: the profile's step model (pdlab.recipe.timing.StepTiming), times the worker's pace factor at the rate
   being simulated (pdlab.sim.pace.WorkerPace, a run replayed at its own pace), then the profile's contention
   (pdlab.timing.contention): the share of the other workers stepping over the step's modelled time, a cold
-  start after idling, what the worker's last prefill left to its decode steps, and a decode step's spread,
-  drawn.
+  start after idling, what the worker's last prefill left to its decode steps, a decode step's spread,
+  drawn, and the KV of hand-overs admitted since its last step (`joined_ktok`, set by the simulator), read first.
 - gap: the worker's own time before its next step: drawn from its pace's gap quantiles, or the profile's
   `host.gap_ms`.
 - host: on a box where the main process shares the workers' cores, the time it takes from this worker's
@@ -43,6 +43,7 @@ class WorkerTime:
         self.waited = True  # it waited for work before its next step (its core idled)
         self.since_prefill: Optional[int] = None  # decode-only steps since its last with prefill tokens
         self.host: Optional[HostLoad] = None
+        self.joined_ktok = 0.0  # thousands of prompt tokens admitted since its last step (the simulator adds them)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.profile, name)
@@ -77,6 +78,8 @@ class WorkerTime:
         prefill = counts[0] > 0
         out = self.contention.step_s(s, prefill, self.share(s), self.cold, u, self.since_prefill)
         self.since_prefill = 0 if prefill else None if self.since_prefill is None else self.since_prefill + 1
+        out += self.contention.join_ktok_ms * self.joined_ktok / 1e3 * self.factor  # their KV, read here first
+        self.joined_ktok = 0.0
         if self.host is not None:
             out *= self.host.factor(self.worker, self.step_start, self.least(out), self.waited)
         return out

@@ -92,7 +92,7 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                        "how": "a 1P1D pull deployment of the model serving requests one at a time, prefills chained, "
                               "in bursts and staggered (pdlab.timing.host_probe)"}
         if host.get("steps"):
-            est = estimate(coef, host["steps"])
+            est = estimate(coef, host["steps"], requests=host.get("request_records"))
             probed = contention_raw(est)
             contention = kept_contention(probed)
             # the probe's workers are a real deployment of the model: its warm steps alone should step at the
@@ -169,7 +169,8 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
 
 def kept_contention(probed: dict) -> Optional[dict]:
     """What a fresh profile keeps of its host probe's contention figures (`contention_raw`): the factors beside
-    stepping workers (at 1 or more), the cold step and the decode spreads; None where it has none of them.
+    stepping workers (at 1 or more), the cold step, the decode spreads and the join step (its pull hand-overs'
+    join_ktok_ms, pdlab.timing.join); None where it has none of them.
 
     The factors were once left out (x1.24 probed with short prompts where runs of long ones stepped x1.02-1.05 on
     the Xeon, and keeping them cost 11 of 408 figures there); on the AVX2 EPYC the issue came from, the probe read
@@ -179,7 +180,7 @@ def kept_contention(probed: dict) -> Optional[dict]:
     between the probe's steps alone and together (x0.95 and x0.97, read by a profile whose pace moved x1.27; kept
     as read, its forecast met 77 against 84 at 1), so 1 is kept there."""
     kept = {k: max(v, 1.0) if k in ("prefill_x", "decode_x") else v for k, v in probed.items()
-            if k in ("prefill_x", "decode_x", "cold_ms") + SPREADS}
+            if k in ("prefill_x", "decode_x", "cold_ms", "join_ktok_ms") + SPREADS}
     return kept or None
 
 def pace_moved(paces: Optional[list[float]]) -> Optional[float]:

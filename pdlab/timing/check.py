@@ -92,12 +92,13 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
         res = check_steps(p, mine)
         if not res["steps"]:
             continue
-        host = host_times(mine, [r for r in requests if r.get("variant") == name])
+        reqs = [r for r in requests if r.get("variant") == name]
+        host = host_times(mine, reqs)
         out[name] = {"profile": p.name, "by": by, "modelled": v.model.modelled, **res, "host": host,
                      "other_model": None if v.model.modelled else other_model(p, v.model),
                      "cpu_share": cpu_shares(mine),
                      "profile_host": p.host.to_raw(),
-                     "contention": None if v.model.modelled else run_contention(p, v, mine),
+                     "contention": None if v.model.modelled else run_contention(p, v, mine, reqs),
                      "profile_contention": p.contention.to_raw(),
                      "kernels": worker_warning(name, p, (kernels or {}).get(name) or {}),
                      "pace": None if v.model.modelled else ratio(list(((paces or {}).get(name) or {}).values()),
@@ -143,7 +144,7 @@ def other_model(profile: Any, model: Any) -> Optional[str]:
             f"{profile.model or 'unnamed'} {measured or 'of an unrecorded dtype'}")
 
 
-def run_contention(profile: Any, v: Any, steps: list[dict]) -> dict:
+def run_contention(profile: Any, v: Any, steps: list[dict], requests: Optional[list[dict]] = None) -> dict:
     """The run's own contention figures (pdlab.timing.contention) against `profile`; main_step_ms only where a
     run of the variant here leaves the main process no core of its own (else its steps lost nothing to it, and
     a 0 would say nothing of a box where it does), and there prefill_x and decode_x from the steps' own CPU
@@ -151,7 +152,7 @@ def run_contention(profile: Any, v: Any, steps: list[dict]) -> dict:
     from pdlab.serve.topology import main_shares_cores
 
     coef = profile.step.to_raw()
-    raw = contention_raw(estimate(coef, steps))
+    raw = contention_raw(estimate(coef, steps, requests=requests))
     if not main_shares_cores(v.deployment):
         raw.pop("main_step_ms", None)
         return raw
@@ -202,7 +203,8 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         con = c.get("contention") or {}
         pc = c["profile_contention"]
         contention = ", ".join([f"{k} {con[k]:.3g} ({pc.get(k, 0):.3g})" for k in ("prefill_x", "decode_x", "cold_ms",
-                                                                                  "after_prefill_x", "main_step_ms")
+                                                                                  "after_prefill_x", "main_step_ms",
+                                                                                  "join_ktok_ms")
                                 if con.get(k) is not None] +
                                [f"{k} {tail(con[k])} ({tail(pc[k]) if pc.get(k) else 'none'})" for k in SPREADS
                                 if con.get(k)])

@@ -35,6 +35,9 @@ the profile's ContentionTiming from steps and the step model that predicts them:
   decode step keeps (after_prefill_fit). Unified workers on the 2-core Xeon: x1.33-1.61 right after, x1.19-1.39
   the next, about x0.7 of the excess kept each step. A disaggregated decode worker never prefills: none.
 
+- join_ktok_ms (with the steps' requests): a decode worker's step after it admitted hand-overs, per 1000 tokens
+  admitted, over its plain steps (pdlab.timing.join); the spreads then leave out those steps and the ones after.
+
 A figure with fewer than MIN_SAMPLES steps behind it is not estimated (None); a spread, with fewer than
 MIN_SPREAD.
 """
@@ -53,6 +56,7 @@ from pdlab.constants import COLD_AFTER_MS, SPREAD_LEVELS
 from pdlab.recipe.timing import ContentionTiming
 from pdlab.sim.pace import quantiles
 from pdlab.timing.fit import predict
+from pdlab.timing.join import join_fit, join_rows, joins
 from pdlab.timing.records import samples
 
 MIN_SAMPLES = 5
@@ -117,18 +121,20 @@ class _Spans:
         return total
 
 
-def estimate(coef: dict, steps: list[dict], own_cpu: bool = False) -> dict:
+def estimate(coef: dict, steps: list[dict], own_cpu: bool = False, requests: Optional[list[dict]] = None) -> dict:
     """{prefill_x, decode_x, cold_ms, after_prefill_x, after_prefill_decay, decode_spread, decode_spread_beside,
     main_step_ms} (None where not estimated), {alone: kind -> the median of warm steps alone over the model (None
     with fewer than MIN_SAMPLES)} and {samples}: from `steps` (records with step counts) against the
     step model `coef` (StepTiming.to_raw()). A decode step's factor beside stepping workers and its spread are
     read with what its worker's last prefill left taken off, so that a simulation applying both counts it once.
     `own_cpu`: each step measured by its own CPU time (`cpu_s`, where it has it) rather than its wall time, its
-    context still from the wall times (what the main process took is then main_step_ms's alone)."""
+    context still from the wall times (what the main process took is then main_step_ms's alone). With
+    `requests` (their records: admitted times), join_ktok_ms too (pdlab.timing.join)."""
     ctx = context(steps)
+    modelled = _modelled(coef, steps)
     rows = [_Row(s.get("prefill_tokens", 0) > 0, s.get("decode_seqs", 0),
-                 s["cpu_s"] * 1e3 if own_cpu and s.get("cpu_s") is not None else mp[0], mp[1], c)
-            for s, mp, c in zip(steps, _modelled(coef, steps), ctx) if mp is not None]
+                 s["cpu_s"] * 1e3 if own_cpu and s.get("cpu_s") is not None else mp[0], mp[1], c, i)
+            for i, (s, mp, c) in enumerate(zip(steps, modelled, ctx)) if mp is not None]
     warm = [r for r in rows if not r.c.cold and r.c.others_busy <= ALONE]
     pace = statistics.median(r.ratio for r in warm) if len(warm) >= MIN_SAMPLES else 1.0
     # A run on a slower box is not cold time: each cold step is predicted at the pace of the warm steps of its kind
@@ -171,9 +177,15 @@ def estimate(coef: dict, steps: list[dict], own_cpu: bool = False) -> dict:
         out[f"{kind}_x"] = x
         out["samples"][kind] = {"together": len(mine), "alone": len(alone)}
     out["main_step_ms"], out["samples"]["main"] = main_step(steps, ctx)
+    joined: set[int] = set()  # a join step and the one after it: join_ktok_ms is theirs, not the spreads'
+    if requests is not None:
+        out["join_ktok_ms"], out["samples"]["join"] = join_fit(join_rows(steps, modelled, requests))
+        ktok, after = joins(steps, requests)
+        joined = set(ktok) | after
     for key, keep in (("decode_spread", lambda c: c.others_busy <= ALONE),
                       ("decode_spread_beside", lambda c: c.others_busy >= TOGETHER)):
-        rs = [(r.seqs, own(r) / max(r.p, 1e-9)) for r in rows if not r.prefill and not r.c.cold and keep(r.c)]
+        rs = [(r.seqs, own(r) / max(r.p, 1e-9)) for r in rows
+              if not r.prefill and not r.c.cold and keep(r.c) and r.i not in joined]
         out[key] = spread(rs) if len(rs) >= MIN_SPREAD else None
         out["samples"][key] = len(rs)
     return out
@@ -218,6 +230,7 @@ class _Row:
     m: float  # measured ms
     p: float  # the step model's ms
     c: StepContext
+    i: int = -1  # its index in the steps read
 
     @property
     def ratio(self) -> float:
@@ -252,7 +265,7 @@ def spread(ratios: list[tuple[int, float]]) -> tuple[float, ...]:
 
 SPREADS = ("decode_spread", "decode_spread_beside")
 FIGURES = ("prefill_x", "decode_x", "cold_ms", "after_prefill_x", "after_prefill_decay") + SPREADS + (
-    "main_step_ms",)  # its keys
+    "main_step_ms", "join_ktok_ms")  # its keys
 
 
 def contention_raw(est: dict) -> dict:
@@ -283,6 +296,8 @@ def describe(raw: dict) -> str:
     spreads = [f"{tail(raw[k])} {'beside' if k.endswith('beside') else 'alone'}" for k in SPREADS if raw.get(k)]
     if spreads:
         parts.append("decode steps spread " + ", ".join(spreads))
+    if raw.get("join_ktok_ms") is not None:
+        parts.append(f"a decode worker's step after it admits +{raw['join_ktok_ms']:.3g} ms per 1000 tokens admitted")
     if raw.get("main_step_ms") is not None:
         parts.append(f"the main process {raw['main_step_ms']:.3g} ms a worker step")
     return "; ".join(parts) or "none"
@@ -290,7 +305,8 @@ def describe(raw: dict) -> str:
 
 def predicted_ms(profile: object, steps: list[dict]) -> list[Optional[float]]:
     """Each step's time as the simulator would model it in the step's own context: the step model, with the
-    profile's contention (None for a step that computed nothing)."""
+    profile's contention (None for a step that computed nothing); not a join step's join_ktok_ms, which needs the
+    requests (pdlab.timing.join: about 2% of a disaggregated decode worker's steps)."""
     coef = profile.step.to_raw()  # type: ignore[attr-defined]
     con = profile.contention  # type: ignore[attr-defined]
     return [None if mp is None else 1e3 * con.step_s(mp[1] / 1e3, s.get("prefill_tokens", 0) > 0, c.others_busy,

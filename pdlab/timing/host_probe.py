@@ -61,8 +61,8 @@ def _model_spec(model: str, dtype: str) -> Any:
 def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
                say: Optional[Callable[[str], None]] = None) -> dict:
     """Host time of the profiled model's workers on `cores` (prefill on the first, decode on the last; one
-    core: both on it), by pdlab.timing.host.host_times; plus `requests`, the requests served, and `steps`,
-    their step records (for pdlab.timing.contention)."""
+    core: both on it), by pdlab.timing.host.host_times; plus `requests`, the requests served, `steps`, their
+    step records, and `request_records`, theirs (for pdlab.timing.contention)."""
     from pdlab.engine.config import EngineConfig
     from pdlab.measure.metrics import build_request_record
     from pdlab.measure.records import RunDir
@@ -163,6 +163,6 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
     est = host_times(steps, requests)
     quickest = min((x for x in (median_ms(sends([r for r in requests if r["id"].startswith(f"b{k}.")]))
                                 for k in range(BURSTS)) if x is not None), default=None)
-    return {**est, "send_ms": quickest, "requests": len(requests), "steps": steps,
+    return {**est, "send_ms": quickest, "requests": len(requests), "steps": steps, "request_records": requests,
             "main_step_ms": 1000.0 * main_s / len(steps) if steps else None,
             "main_shared": main_shares_cores(dep)}  # the probe's main process had no core of its own

@@ -1,0 +1,80 @@
+"""The join step (pdlab.timing.join): a decode worker's first step after it admitted hand-overs takes join_ktok_ms
+more per 1000 prompt tokens admitted; read from a run's steps and requests as a slope over the worker's plain
+steps, simulated on the step after an admit, and read back from the simulation's own records."""
+
+import pytest
+
+from pdlab.recipe import StepTiming, parse_recipe
+from pdlab.sim.simulator import Simulator
+from pdlab.timing.contention import contention_raw, describe, estimate
+from pdlab.timing.join import MIN_SAMPLES, join_fit, joins
+from pdlab.workload import build_requests
+
+TIMING = {"fixed_ms": 2, "prefill_token_ms": 0.05, "decode_seq_ms": 1}
+
+
+def test_the_fit_is_the_slope_over_tokens_not_its_foot():
+    rows = [(x / 10, 0.3 + 0.6 * x / 10) for x in range(2, 20)] + [(1.0, 9.0), (1.5, -5.0)]  # two the OS stretched
+    ms, n = join_fit(rows)
+    assert ms == pytest.approx(0.6, rel=0.02) and n == len(rows)
+    alike = [(1.0, 0.8), (1.0, 0.7), (1.1, 0.99), (1.0, 0.6), (1.0, 0.75)]  # no line: the median per 1000 tokens
+    assert join_fit(alike)[0] == pytest.approx(0.75)
+    assert join_fit([(x / 10, 2.0 - x / 10) for x in range(2, 20)])[0] == 0.0  # never below 0
+    assert join_fit([(1.0, 1.0)] * (MIN_SAMPLES - 1)) == (None, MIN_SAMPLES - 1)
+
+
+def test_a_join_step_is_the_first_after_an_admit_and_the_one_after_it_is_marked():
+    steps = [{"variant": "v", "rate": 1.0, "repeat": 0, "worker": "d", "role": "decode", "start": t, "end": t + 0.01}
+             for t in (0.0, 0.02, 0.04, 0.06)]
+    reqs = [{"variant": "v", "rate": 1.0, "repeat": 0, "prefill_worker": "p", "decode_worker": "d",
+             "prompt_len": 1200, "cached_tokens": 200, "phases": {"admitted": 0.015}},
+            {"variant": "v", "rate": 1.0, "repeat": 0, "prefill_worker": "d", "decode_worker": "d",
+             "prompt_len": 500, "phases": {"admitted": 0.035}}]  # prefilled where it decodes: no hand-over
+    ktok, after = joins(steps, reqs)
+    assert ktok == {1: pytest.approx(1.0)} and after == {2}  # the uncached tokens only
+
+
+def run(mode: str, join_ktok_ms: float):
+    raw = {"model": {"preset": "tiny-llama", "timing": {"name": "t", "step": TIMING, "kv_bytes_per_token": 512,
+                                                        "transfer": {"shm": {"gbps": 1, "latency_ms": 3}},
+                                                        "host": {"gap_ms": 0.2},
+                                                        "contention": {"join_ktok_ms": join_ktok_ms}}},
+           "engine": {"block_size": 8, "kv_blocks": 1024, "max_running": 32},
+           "workload": {"requests": 40, "input_len": {"kind": "uniform", "min": 20, "max": 400},
+                        "output_len": {"kind": "fixed", "value": 24}},
+           "rates": [20], "slo": {"ttft_ms": 1000, "itl_ms": 50},
+           "variants": {"v": {"deployment": {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]},
+                                              "mode": mode}}}}
+    v = parse_recipe(raw).resolved("v")
+    recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 20.0, seed=1, vocab_size=512), 20.0)
+    return recs, steps
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_a_simulated_decode_worker_pays_the_join_on_its_next_step_and_its_records_read_it_back(mode):
+    recs, steps = run(mode, 4.0)
+    coef = StepTiming(**TIMING).to_raw()
+    est = estimate(coef, steps, requests=recs)
+    assert est["join_ktok_ms"] == pytest.approx(4.0, rel=0.02) and est["samples"]["join"] >= MIN_SAMPLES
+    assert "after it admits +4 ms per 1000 tokens" in describe(contention_raw(est))
+    dec = sorted((s for s in steps if s["worker"] == "decode0"), key=lambda s: s["start"])
+    for r in recs:  # the first step after each admission: its model and the KV of what it admitted
+        t = r["phases"]["admitted"]
+        nxt = next(s for s in dec if s["start"] >= t)
+        model_ms = TIMING["fixed_ms"] + TIMING["decode_seq_ms"] * nxt["decode_seqs"]
+        assert (nxt["end"] - nxt["start"]) * 1e3 >= model_ms + 4.0 * r["prompt_len"] / 1000 - 1e-6
+    recs0, steps0 = run(mode, 0.0)
+    assert estimate(coef, steps0, requests=recs0)["join_ktok_ms"] == pytest.approx(0.0, abs=1e-6)
+    assert "join_ktok_ms" not in estimate(coef, steps0)  # without the requests: not read
+    assert {r["id"]: r["output_ids"] for r in recs} == {r["id"]: r["output_ids"] for r in recs0}  # the same tokens
+
+
+def test_the_decode_spreads_leave_the_join_steps_out_once_the_requests_say_which():
+    """A decode worker whose steps run at their model but its joins: without the requests the joins are its
+    spread's tail, with them the spread is flat (the join is join_ktok_ms's, counted once)."""
+    recs, steps = run("push", 4.0)
+    coef = StepTiming(**TIMING).to_raw()
+    blind, told = estimate(coef, steps), estimate(coef, steps, requests=recs)
+    tail = [k for k in ("decode_spread", "decode_spread_beside") if blind.get(k)]
+    assert tail and all(blind[k][-1] > 1.05 for k in tail)
+    assert all(told[k] is None or told[k][-1] == pytest.approx(1.0, abs=1e-6) for k in tail)

@@ -183,6 +183,7 @@ def kept_contention(probed: dict) -> Optional[dict]:
             if k in ("prefill_x", "decode_x", "cold_ms", "join_ktok_ms") + SPREADS}
     return kept or None
 
+
 def pace_moved(paces: Optional[list[float]]) -> Optional[float]:
     """The box's pace after the profile's steps over before them (pdlab.timing.pace; None without both)."""
     if not paces or len(paces) < 2 or min(paces) <= 0:

@@ -4,13 +4,11 @@ steps, simulated on the step after an admit, and read back from the simulation's
 
 import pytest
 
-from pdlab.recipe import StepTiming, parse_recipe
-from pdlab.sim.simulator import Simulator
+from pdlab.recipe import StepTiming
 from pdlab.timing.contention import contention_raw, describe, estimate
 from pdlab.timing.join import MIN_SAMPLES, join_fit, joins
-from pdlab.workload import build_requests
 
-TIMING = {"fixed_ms": 2, "prefill_token_ms": 0.05, "decode_seq_ms": 1}
+from test_sim_pace import QUICK_PREFILL as TIMING, handed_over  # one simulated 1P1D run, two tests
 
 
 def test_the_fit_is_the_slope_over_tokens_not_its_foot():
@@ -35,19 +33,7 @@ def test_a_join_step_is_the_first_after_an_admit_and_the_one_after_it_is_marked(
 
 
 def run(mode: str, join_ktok_ms: float):
-    raw = {"model": {"preset": "tiny-llama", "timing": {"name": "t", "step": TIMING, "kv_bytes_per_token": 512,
-                                                        "transfer": {"shm": {"gbps": 1, "latency_ms": 3}},
-                                                        "host": {"gap_ms": 0.2},
-                                                        "contention": {"join_ktok_ms": join_ktok_ms}}},
-           "engine": {"block_size": 8, "kv_blocks": 1024, "max_running": 32},
-           "workload": {"requests": 40, "input_len": {"kind": "uniform", "min": 20, "max": 400},
-                        "output_len": {"kind": "fixed", "value": 24}},
-           "rates": [20], "slo": {"ttft_ms": 1000, "itl_ms": 50},
-           "variants": {"v": {"deployment": {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]},
-                                              "mode": mode}}}}
-    v = parse_recipe(raw).resolved("v")
-    recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 20.0, seed=1, vocab_size=512), 20.0)
-    return recs, steps
+    return handed_over(mode, {"gap_ms": 0.2}, {"join_ktok_ms": join_ktok_ms})
 
 
 @pytest.mark.parametrize("mode", ["push", "pull"])

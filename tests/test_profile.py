@@ -309,8 +309,8 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     probed = t.fit["contention"]["probed"]
     assert probed["decode_x"] > 0 and t.contention.decode_x == max(probed["decode_x"], 1.0)
     assert t.contention.prefill_x == max(probed.get("prefill_x", 1.0), 1.0)
-    assert t.contention.join_ktok_ms == probed.get("join_ktok_ms", 0.0)  # its pull hand-overs' join steps
-    assert t.fit["contention"]["samples"]["join"] >= 0
+    # its pull hand-overs' join steps (one per request handed over) are read, and kept as read
+    assert "join_ktok_ms" in probed and t.contention.join_ktok_ms == probed["join_ktok_ms"]
     assert t.host.send_ms > 0 and t.fit["host"]["samples"]["sends"] >= BURST  # bursts: the quickest one's
     # one at a time, prefills chained (warm prefill steps alone), bursts, staggered: every request served
     assert t.fit["host"]["requests"] == REQUESTS + CHAINED + BURSTS * BURST + CO_REQUESTS

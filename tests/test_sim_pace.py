@@ -148,25 +148,33 @@ def test_a_decode_worker_spends_admit_ms_on_each_hand_over_before_its_next_step(
     assert {r["id"]: r["output_ids"] for r in recs} == {r["id"]: r["output_ids"] for r in recs0}
 
 
+QUICK_PREFILL = {**TIMING, "prefill_token_ms": 0.05}  # prefills quick beside the decodes: admits between steps
+
+
+def handed_over(mode: str, host: dict, contention: dict | None = None) -> tuple[list, list]:
+    """(request records, step records) of 40 requests of 20-400 prompt tokens at 20 req/s through a simulated
+    1P1D deployment in `mode`, its profile's step QUICK_PREFILL with `host` (and `contention`)."""
+    timing = {"name": "t", "step": QUICK_PREFILL, "kv_bytes_per_token": 512,
+              "transfer": {"shm": {"gbps": 1, "latency_ms": 3}}, "host": host,
+              **({"contention": contention} if contention else {})}
+    raw = {"model": {"preset": "tiny-llama", "timing": timing},
+           "engine": {"block_size": 8, "kv_blocks": 1024, "max_running": 32},
+           "workload": {"requests": 40, "input_len": {"kind": "uniform", "min": 20, "max": 400},
+                        "output_len": {"kind": "fixed", "value": 24}},
+           "rates": [20], "slo": {"ttft_ms": 1000, "itl_ms": 50},
+           "variants": {"v": {"deployment": {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]},
+                                              "mode": mode}}}}
+    v = parse_recipe(raw).resolved("v")
+    recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 20.0, seed=1, vocab_size=512), 20.0)
+    return recs, steps
+
+
 def test_a_pull_adds_admit_ktok_ms_per_1000_tokens_it_copied_and_a_push_does_not():
     """host.admit_ktok_ms: a pull's copy shares its decode worker's core, so each admission puts admit_ms and
     admit_ktok_ms per 1000 prompt tokens before the worker's next step; the simulation's records read both back.
     A push's copy runs on its prefill worker: its admissions take admit_ms alone."""
     def run(mode):
-        step = {**TIMING, "prefill_token_ms": 0.05}  # prefills quick beside the decodes: admits between steps
-        raw = {"model": {"preset": "tiny-llama", "timing": {"name": "t", "step": step, "kv_bytes_per_token": 512,
-                                                            "transfer": {"shm": {"gbps": 1, "latency_ms": 3}},
-                                                            "host": {"gap_ms": 0.2, "admit_ms": 0.5,
-                                                                     "admit_ktok_ms": 4.0}}},
-               "engine": {"block_size": 8, "kv_blocks": 1024, "max_running": 32},
-               "workload": {"requests": 40, "input_len": {"kind": "uniform", "min": 20, "max": 400},
-                            "output_len": {"kind": "fixed", "value": 24}},
-               "rates": [20], "slo": {"ttft_ms": 1000, "itl_ms": 50},
-               "variants": {"v": {"deployment": {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]},
-                                                  "mode": mode}}}}
-        v = parse_recipe(raw).resolved("v")
-        recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 20.0, seed=1, vocab_size=512), 20.0)
-        return recs, steps
+        return handed_over(mode, {"gap_ms": 0.2, "admit_ms": 0.5, "admit_ktok_ms": 4.0})
 
     recs, steps = run("pull")
     dec = sorted((s for s in steps if s["worker"] == "decode0"), key=lambda s: s["start"])

@@ -166,7 +166,6 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     return raw, report
 
 
-
 def kept_contention(probed: dict) -> Optional[dict]:
     """What a fresh profile keeps of its host probe's contention figures (`contention_raw`): the factors beside
     stepping workers (at 1 or more), the cold step, the decode spreads and the join step (its pull hand-overs'

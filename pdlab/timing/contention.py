@@ -179,8 +179,8 @@ def estimate(coef: dict, steps: list[dict], own_cpu: bool = False, requests: Opt
     out["main_step_ms"], out["samples"]["main"] = main_step(steps, ctx)
     joined: set[int] = set()  # a join step and the one after it: join_ktok_ms is theirs, not the spreads'
     if requests is not None:
-        out["join_ktok_ms"], out["samples"]["join"] = join_fit(join_rows(steps, modelled, requests))
         ktok, after = joins(steps, requests)
+        out["join_ktok_ms"], out["samples"]["join"] = join_fit(join_rows(steps, modelled, ktok, after))
         joined = set(ktok) | after
     for key, keep in (("decode_spread", lambda c: c.others_busy <= ALONE),
                       ("decode_spread_beside", lambda c: c.others_busy >= TOGETHER)):

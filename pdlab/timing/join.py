@@ -73,10 +73,11 @@ def joins(steps: list[dict], requests: list[dict]) -> tuple[dict[int, float], se
     return ktok, after
 
 
-def join_rows(steps: list[dict], modelled: list, requests: list[dict]) -> list[tuple[float, float]]:
+def join_rows(steps: list[dict], modelled: list, ktok: dict[int, float],
+              after: set[int]) -> list[tuple[float, float]]:
     """(thousands of tokens admitted, excess ms) per decode-only join step, against its worker's plain steps'
-    pace. `modelled`: each step's (measured ms, model ms) or None, in the order of `steps`."""
-    ktok, after = joins(steps, requests)
+    pace. `modelled`: each step's (measured ms, model ms) or None, in the order of `steps`; `ktok` and `after`:
+    `joins` of them."""
     by: dict[tuple, list[int]] = defaultdict(list)
     for i, s in enumerate(steps):
         if modelled[i] is not None and s.get("role") == "decode" and not s.get("prefill_tokens"):

@@ -5,10 +5,11 @@ steps, simulated on the step after an admit, and read back from the simulation's
 import pytest
 
 from pdlab.recipe import StepTiming
-from pdlab.timing.contention import contention_raw, describe, estimate
+from pdlab.timing.contention import contention_raw, describe, estimate, predicted_ms
 from pdlab.timing.join import MIN_SAMPLES, join_fit, joins
+from pdlab.timing.replay import worker_paces
 
-from test_sim_pace import QUICK_PREFILL as TIMING, handed_over  # one simulated 1P1D run, two tests
+from test_sim_pace import QUICK_PREFILL as TIMING, handed_over, handed_over_variant  # one simulated 1P1D run
 
 
 def test_the_fit_is_the_slope_over_tokens_not_its_foot():
@@ -64,3 +65,22 @@ def test_the_decode_spreads_leave_the_join_steps_out_once_the_requests_say_which
     tail = [k for k in ("decode_spread", "decode_spread_beside") if blind.get(k)]
     assert tail and all(blind[k][-1] > 1.05 for k in tail)
     assert all(told[k] is None or told[k][-1] == pytest.approx(1.0, abs=1e-6) for k in tail)
+
+
+def test_a_pace_read_with_the_requests_counts_the_join_once():
+    """predicted_ms and worker_paces (the replay's and the drift's pace) given the run's requests predict a join
+    step with its join cost, as the simulator stepped it: the simulated decode worker then reads at its own pace,
+    1; without them its joins read as a slower worker."""
+    recs, steps = run("push", 4.0)
+    profile = handed_over_variant("push", {"gap_ms": 0.2}, {"join_ktok_ms": 4.0}).model.timing
+    ktok = joins(steps, recs)[0]
+    told, blind = predicted_ms(profile, steps, recs), predicted_ms(profile, steps)
+    assert len(ktok) >= MIN_SAMPLES
+    for i, (a, b) in enumerate(zip(told, blind)):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a == pytest.approx(b + 4.0 * ktok.get(i, 0.0))
+            if steps[i]["worker"] == "decode0":
+                assert (steps[i]["end"] - steps[i]["start"]) * 1e3 == pytest.approx(a, rel=1e-6)
+    assert worker_paces(profile, steps, requests=recs)["decode0"].factor == pytest.approx(1.0, abs=1e-6)
+    assert worker_paces(profile, steps)["decode0"].factor > 1.01

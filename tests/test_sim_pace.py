@@ -153,7 +153,15 @@ QUICK_PREFILL = {**TIMING, "prefill_token_ms": 0.05}  # prefills quick beside th
 
 def handed_over(mode: str, host: dict, contention: dict | None = None) -> tuple[list, list]:
     """(request records, step records) of 40 requests of 20-400 prompt tokens at 20 req/s through a simulated
-    1P1D deployment in `mode`, its profile's step QUICK_PREFILL with `host` (and `contention`)."""
+    1P1D deployment in `mode` (handed_over_variant's)."""
+    v = handed_over_variant(mode, host, contention)
+    recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 20.0, seed=1, vocab_size=512), 20.0)
+    return recs, steps
+
+
+def handed_over_variant(mode: str, host: dict, contention: dict | None = None):
+    """A 1P1D deployment in `mode` of a tiny model whose profile's step is QUICK_PREFILL, with `host` (and
+    `contention`), as a resolved variant."""
     timing = {"name": "t", "step": QUICK_PREFILL, "kv_bytes_per_token": 512,
               "transfer": {"shm": {"gbps": 1, "latency_ms": 3}}, "host": host,
               **({"contention": contention} if contention else {})}
@@ -164,9 +172,7 @@ def handed_over(mode: str, host: dict, contention: dict | None = None) -> tuple[
            "rates": [20], "slo": {"ttft_ms": 1000, "itl_ms": 50},
            "variants": {"v": {"deployment": {"prefill": {"devices": ["cpu:0"]}, "decode": {"devices": ["cpu:1"]},
                                               "mode": mode}}}}
-    v = parse_recipe(raw).resolved("v")
-    recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 20.0, seed=1, vocab_size=512), 20.0)
-    return recs, steps
+    return parse_recipe(raw).resolved("v")
 
 
 def test_a_pull_adds_admit_ktok_ms_per_1000_tokens_it_copied_and_a_push_does_not():

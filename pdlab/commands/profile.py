@@ -278,7 +278,7 @@ def _write_drift(run: object, checks: dict, path: str) -> int:
     source = str(run.env.get("time") or "")  # type: ignore[attr-defined]
     if taken(profile.drift, source):
         return _err(f"--write-drift: this run (started {source}) is in {path}'s drift already")
-    factors = run_factors(profile, run.steps, checked_variants(checks))  # type: ignore[attr-defined]
+    factors = run_factors(profile, run.steps, checked_variants(checks), run.requests)  # type: ignore[attr-defined]
     if not factors:
         return _err("--write-drift: no variant of this run ran its model and took steps to read its pace from")
     drift = merged(profile.drift, factors, source)

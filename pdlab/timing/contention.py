@@ -303,15 +303,18 @@ def describe(raw: dict) -> str:
     return "; ".join(parts) or "none"
 
 
-def predicted_ms(profile: object, steps: list[dict]) -> list[Optional[float]]:
+def predicted_ms(profile: object, steps: list[dict], requests: Optional[list[dict]] = None) -> list[Optional[float]]:
     """Each step's time as the simulator would model it in the step's own context: the step model, with the
-    profile's contention (None for a step that computed nothing); not a join step's join_ktok_ms, which needs the
-    requests (pdlab.timing.join: about 2% of a disaggregated decode worker's steps)."""
+    profile's contention (None for a step that computed nothing); with `requests` (the run's records: when each
+    hand-over was admitted), a decode worker's join step carries join_ktok_ms too (pdlab.timing.join), as the
+    simulator's does. Without them it does not: about 2% of a disaggregated decode worker's steps."""
     coef = profile.step.to_raw()  # type: ignore[attr-defined]
     con = profile.contention  # type: ignore[attr-defined]
+    ktok = joins(steps, requests)[0] if requests is not None and con.join_ktok_ms > 0 else {}
     return [None if mp is None else 1e3 * con.step_s(mp[1] / 1e3, s.get("prefill_tokens", 0) > 0, c.others_busy,
                                                       c.cold, since_prefill=c.since_prefill)
-            for s, mp, c in zip(steps, _modelled(coef, steps), context(steps))]
+            + con.join_ktok_ms * ktok.get(i, 0.0)
+            for i, (s, mp, c) in enumerate(zip(steps, _modelled(coef, steps), context(steps)))]
 
 
 def _modelled(coef: dict, steps: list[dict]) -> list[Optional[tuple[float, float]]]:

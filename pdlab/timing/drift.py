@@ -14,19 +14,21 @@ The profile keeps the latest constants.DRIFT_KEEP of them and how many runs gave
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from pdlab.constants import DRIFT_KEEP
 from pdlab.recipe.timing import Drift, TimingProfile
 from pdlab.timing.replay import worker_paces
 
 
-def run_factors(profile: TimingProfile, steps: list[dict], variants: list[str]) -> list[float]:
+def run_factors(profile: TimingProfile, steps: list[dict], variants: list[str],
+                requests: Optional[list[dict]] = None) -> list[float]:
     """Each worker's pace in each rate and repeat of `variants` (those of a run that ran their model) in the
-    run's step records, against `profile`; warm-up steps left out."""
+    run's step records, against `profile`; warm-up steps left out; with the run's `requests`, its join steps
+    predicted with their join cost (worker_paces)."""
     out: list[float] = []
     for v in variants:
-        for pace in worker_paces(profile, [s for s in steps if s.get("variant") == v]).values():
+        for pace in worker_paces(profile, [s for s in steps if s.get("variant") == v], requests=requests).values():
             out += [f for _, _, f in pace.by_run]
     return out
 

@@ -45,16 +45,18 @@ class ReplayError(ValueError):
     """A run that cannot be replayed (one line)."""
 
 
-def worker_paces(profile: TimingProfile, steps: list[dict], workers: Sequence[str] = ()) -> dict[str, WorkerPace]:
+def worker_paces(profile: TimingProfile, steps: list[dict], workers: Sequence[str] = (),
+                 requests: Optional[list[dict]] = None) -> dict[str, WorkerPace]:
     """worker -> its pace in `steps` (one variant's step records; warm-up left out, as the figures leave its
     requests out) against `profile`: its steps' measured time over their predicted time (in all, and per rate
     and repeat), and the quantiles of its gaps between back-to-back steps. Predicted as the simulator steps
     them: the step model with the profile's contention in each step's own context in the run (the others
     stepping, the worker idle before it; pdlab.timing.contention), so the pace is what contention leaves
     unexplained. A worker of `workers` that took no step (an idle replica) steps at the pace of all the others'
-    steps together, not at the profile's."""
+    steps together, not at the profile's. With `requests` (the run's records), a join step is predicted with its
+    join_ktok_ms, as the simulator steps it."""
     steps = [s for s in steps if not s.get("warmup")]
-    timed = [(s, p) for s, p in zip(steps, predicted_ms(profile, steps)) if p is not None]
+    timed = [(s, p) for s, p in zip(steps, predicted_ms(profile, steps, requests)) if p is not None]
 
     def factor(rows: list[tuple[dict, float]]) -> Optional[float]:
         return busy_ratio([(s["end"] - s["start"]) * 1e3 for s, _ in rows], [p for _, p in rows]) if rows else None
@@ -266,7 +268,7 @@ def replay(run: Any, profile: Optional[TimingProfile] = None, checks: Optional[d
             continue
         base = profile if profile is not None else profile_for(name, variants)[0]
         workers = [w.name for w in variants[name].deployment.workers]
-        mine = worker_paces(base, [s for s in run.steps if s.get("variant") == name], workers)
+        mine = worker_paces(base, [s for s in run.steps if s.get("variant") == name], workers, run.requests)
         if not mine:
             continue
         if set(mine) - set(workers):

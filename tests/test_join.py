@@ -6,7 +6,7 @@ import pytest
 
 from pdlab.recipe import StepTiming
 from pdlab.timing.contention import contention_raw, describe, estimate, predicted_ms
-from pdlab.timing.join import MIN_SAMPLES, join_fit, joins
+from pdlab.timing.join import MIN_SAMPLES, join_fit, join_rows, joins
 from pdlab.timing.replay import worker_paces
 
 from test_sim_pace import QUICK_PREFILL as TIMING, handed_over, handed_over_variant  # one simulated 1P1D run
@@ -84,3 +84,20 @@ def test_a_pace_read_with_the_requests_counts_the_join_once():
                 assert (steps[i]["end"] - steps[i]["start"]) * 1e3 == pytest.approx(a, rel=1e-6)
     assert worker_paces(profile, steps, requests=recs)["decode0"].factor == pytest.approx(1.0, abs=1e-6)
     assert worker_paces(profile, steps)["decode0"].factor > 1.01
+
+
+def test_a_join_after_its_worker_idled_is_the_cold_steps_not_the_joins():
+    """A decode worker that idled COLD_AFTER_MS or more before a join step pays the cold step there
+    (contention.cold_ms): that join is left out of the fit, and so is each worker's first step."""
+    def step(t: float, ms: float) -> dict:
+        return {"variant": "v", "rate": 1.0, "repeat": 0, "worker": "d", "role": "decode", "start": t,
+                "end": t + ms / 1e3, "decode_seqs": 1}
+
+    steps = [step(0.01 * i, 5.0) for i in range(30)]  # plain, back to back at 5 ms a step
+    steps += [step(0.3, 6.0), step(0.31, 5.0), step(0.5, 9.0)]  # a warm join, the step after it, a join after idling
+    reqs = [{"variant": "v", "rate": 1.0, "repeat": 0, "prefill_worker": "p", "decode_worker": "d",
+             "prompt_len": 1000, "phases": {"admitted": t}} for t in (0.2995, 0.45)]
+    ktok, after = joins(steps, reqs)
+    assert set(ktok) == {30, 32}  # both are joins ...
+    rows = join_rows(steps, [((s["end"] - s["start"]) * 1e3, 5.0) for s in steps], ktok, after)
+    assert rows == [(pytest.approx(1.0), pytest.approx(1.0))]  # ... but only the warm one is the join's

@@ -11,10 +11,11 @@ step model (measured on steps whose KV the measuring process wrote itself) leave
 carries it (`join_ktok_ms`) and the simulator adds it to a decode worker's next step after an admit.
 
 `join_fit` reads it, per decode worker and (variant, rate, repeat): the join steps (decode-only, with hand-overs
-admitted since the worker's step before) against the plain ones (decode-only, none admitted since either of the two
-steps before: the step after a join is not plain); each join step's excess is its measured time less its model's
-times the plain steps' median measured / model; then the slope of a Theil-Sen line through (thousands of tokens
-admitted, excess ms), where the tokens span MIN_SPAN_KTOK (else the median of excess / thousands of tokens), no
+admitted since the worker's step before, and warm: a join after its worker idled is a cold step, whose excess is
+contention.cold_ms's) against the plain ones (decode-only, warm, none admitted since either of the two steps before:
+the step after a join is not plain); each join step's excess is its measured time less its model's times the plain
+steps' median measured / model; then the slope of a Theil-Sen line through (thousands of tokens admitted, excess ms),
+where the tokens span MIN_SPAN_KTOK (else the median of excess / thousands of tokens), no
 less than 0. The line's foot (-0.3 to 0.3 ms in those runs) is left out: the cost is the KV read.
 """
 
@@ -24,6 +25,8 @@ import bisect
 import statistics
 from collections import defaultdict
 from typing import Optional
+
+from pdlab.constants import COLD_AFTER_MS
 
 MIN_SAMPLES = 5  # join steps behind the figure
 MIN_PLAIN = 20  # plain steps behind a worker's pace
@@ -77,13 +80,18 @@ def join_rows(steps: list[dict], modelled: list, ktok: dict[int, float],
               after: set[int]) -> list[tuple[float, float]]:
     """(thousands of tokens admitted, excess ms) per decode-only join step, against its worker's plain steps'
     pace. `modelled`: each step's (measured ms, model ms) or None, in the order of `steps`; `ktok` and `after`:
-    `joins` of them."""
+    `joins` of them. A step after its worker idled constants.COLD_AFTER_MS or more is neither: its excess is the
+    cold step's (contention.cold_ms, which the simulator adds to it too); a worker that idled until a hand-over came
+    (requests one at a time: the host probe's first ones, a run's lowest rates) has only such joins."""
     by: dict[tuple, list[int]] = defaultdict(list)
     for i, s in enumerate(steps):
-        if modelled[i] is not None and s.get("role") == "decode" and not s.get("prefill_tokens"):
+        if s.get("role") == "decode" and not s.get("warmup"):
             by[(s.get("variant"), s.get("rate"), s.get("repeat", 0), s.get("worker"))].append(i)
     out = []
-    for idx in by.values():
+    for mine in by.values():
+        mine.sort(key=lambda i: steps[i]["start"])
+        warm = {b for a, b in zip(mine, mine[1:]) if (steps[b]["start"] - steps[a]["end"]) * 1e3 < COLD_AFTER_MS}
+        idx = [i for i in mine if i in warm and modelled[i] is not None and not steps[i].get("prefill_tokens")]
         plain = [modelled[i][0] / modelled[i][1] for i in idx
                  if i not in ktok and i not in after and modelled[i][1] > 0]
         if len(plain) < MIN_PLAIN or not any(i in ktok for i in idx):

@@ -37,8 +37,6 @@ def changed(profile: str, sets: list[str], out: str) -> str:
     raw.pop("drift", None)
     for s in sets:
         key, _, value = s.partition("=")
-        if not key or not _:
-            raise SystemExit(f"error: --set {s}: expected key.path=value")
         node, parts = raw, key.split(".")
         for p in parts[:-1]:
             node = node.setdefault(p, {})
@@ -62,6 +60,10 @@ def main() -> int:
     if not names:
         print(f"error: {args.dir}: no recipe's real run in it (expected {', '.join(n + '-real' for n in RECIPES)})",
               file=sys.stderr)
+        return 2
+    bad = [s for s in args.set if not s.partition("=")[0] or "=" not in s]
+    if bad:
+        print(f"error: --set {bad[0]}: expected key.path=value", file=sys.stderr)
         return 2
     profile = args.profile or os.path.join(args.dir, "box.yaml")
     if not os.path.isfile(profile):

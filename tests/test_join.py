@@ -5,7 +5,7 @@ steps, simulated on the step after an admit, and read back from the simulation's
 import pytest
 
 from pdlab.recipe import StepTiming
-from pdlab.timing.contention import contention_raw, describe, estimate, predicted_ms
+from pdlab.timing.contention import context, contention_raw, describe, estimate, predicted_ms
 from pdlab.timing.join import MIN_SAMPLES, join_fit, join_rows, joins
 from pdlab.timing.replay import worker_paces
 
@@ -99,5 +99,6 @@ def test_a_join_after_its_worker_idled_is_the_cold_steps_not_the_joins():
              "prompt_len": 1000, "phases": {"admitted": t}} for t in (0.2995, 0.45)]
     ktok, after = joins(steps, reqs)
     assert set(ktok) == {30, 32}  # both are joins ...
-    rows = join_rows(steps, [((s["end"] - s["start"]) * 1e3, 5.0) for s in steps], ktok, after)
+    cold = {i for i, c in enumerate(context(steps)) if c.cold}
+    rows = join_rows(steps, [((s["end"] - s["start"]) * 1e3, 5.0) for s in steps], ktok, after, cold)
     assert rows == [(pytest.approx(1.0), pytest.approx(1.0))]  # ... but only the warm one is the join's

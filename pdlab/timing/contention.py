@@ -180,7 +180,8 @@ def estimate(coef: dict, steps: list[dict], own_cpu: bool = False, requests: Opt
     joined: set[int] = set()  # a join step and the one after it: join_ktok_ms is theirs, not the spreads'
     if requests is not None:
         ktok, after = joins(steps, requests)
-        out["join_ktok_ms"], out["samples"]["join"] = join_fit(join_rows(steps, modelled, ktok, after))
+        cold = {i for i, c in enumerate(ctx) if c.cold}
+        out["join_ktok_ms"], out["samples"]["join"] = join_fit(join_rows(steps, modelled, ktok, after, cold))
         joined = set(ktok) | after
     for key, keep in (("decode_spread", lambda c: c.others_busy <= ALONE),
                       ("decode_spread_beside", lambda c: c.others_busy >= TOGETHER)):

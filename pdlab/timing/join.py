@@ -26,8 +26,6 @@ import statistics
 from collections import defaultdict
 from typing import Optional
 
-from pdlab.constants import COLD_AFTER_MS
-
 MIN_SAMPLES = 5  # join steps behind the figure
 MIN_PLAIN = 20  # plain steps behind a worker's pace
 MIN_SPAN_KTOK = 0.2  # thousands of tokens the joins must span for a line
@@ -52,18 +50,13 @@ def joins(steps: list[dict], requests: list[dict]) -> tuple[dict[int, float], se
     each such step's next step}), over `steps` (a run's records) and the `requests` that say when they were
     admitted."""
     got = admitted(requests)
-    by: dict[tuple, list[int]] = defaultdict(list)
-    for i, s in enumerate(steps):
-        if s.get("role") == "decode" and not s.get("warmup"):
-            by[(s.get("variant"), s.get("rate"), s.get("repeat", 0), s.get("worker"))].append(i)
     ktok: dict[int, float] = {}
     after: set[int] = set()
-    for k, idx in by.items():
+    for k, idx in decode_steps(steps).items():
         mine = got.get(k)
         if not mine:
             continue
         times = [t for t, _ in mine]
-        idx.sort(key=lambda i: steps[i]["start"])
         prev_end, prev = None, None
         for i in idx:  # the hand-overs admitted since the worker's step before (all before its first)
             lo = 0 if prev_end is None else bisect.bisect_left(times, prev_end)
@@ -76,22 +69,28 @@ def joins(steps: list[dict], requests: list[dict]) -> tuple[dict[int, float], se
     return ktok, after
 
 
-def join_rows(steps: list[dict], modelled: list, ktok: dict[int, float],
-              after: set[int]) -> list[tuple[float, float]]:
-    """(thousands of tokens admitted, excess ms) per decode-only join step, against its worker's plain steps'
-    pace. `modelled`: each step's (measured ms, model ms) or None, in the order of `steps`; `ktok` and `after`:
-    `joins` of them. A step after its worker idled constants.COLD_AFTER_MS or more is neither: its excess is the
-    cold step's (contention.cold_ms, which the simulator adds to it too); a worker that idled until a hand-over came
-    (requests one at a time: the host probe's first ones, a run's lowest rates) has only such joins."""
+def decode_steps(steps: list[dict]) -> dict[tuple, list[int]]:
+    """(variant, rate, repeat, worker) -> the indices of its decode worker's steps (warm-up left out), by start."""
     by: dict[tuple, list[int]] = defaultdict(list)
     for i, s in enumerate(steps):
         if s.get("role") == "decode" and not s.get("warmup"):
             by[(s.get("variant"), s.get("rate"), s.get("repeat", 0), s.get("worker"))].append(i)
+    for idx in by.values():
+        idx.sort(key=lambda i: steps[i]["start"])
+    return by
+
+
+def join_rows(steps: list[dict], modelled: list, ktok: dict[int, float], after: set[int],
+              cold: set[int]) -> list[tuple[float, float]]:
+    """(thousands of tokens admitted, excess ms) per decode-only join step, against its worker's plain steps'
+    pace. `modelled`: each step's (measured ms, model ms) or None, in the order of `steps`; `ktok` and `after`:
+    `joins` of them; `cold`: the steps after their worker idled (pdlab.timing.contention.context), which are
+    neither: a cold step's excess is contention.cold_ms's, which the simulator adds to it too, and a worker that
+    idled until a hand-over came (requests one at a time: the host probe's first ones, a run's lowest rates) has
+    only such joins."""
     out = []
-    for mine in by.values():
-        mine.sort(key=lambda i: steps[i]["start"])
-        warm = {b for a, b in zip(mine, mine[1:]) if (steps[b]["start"] - steps[a]["end"]) * 1e3 < COLD_AFTER_MS}
-        idx = [i for i in mine if i in warm and modelled[i] is not None and not steps[i].get("prefill_tokens")]
+    for mine in decode_steps(steps).values():
+        idx = [i for i in mine if i not in cold and modelled[i] is not None and not steps[i].get("prefill_tokens")]
         plain = [modelled[i][0] / modelled[i][1] for i in idx
                  if i not in ktok and i not in after and modelled[i][1] > 0]
         if len(plain) < MIN_PLAIN or not any(i in ktok for i in idx):

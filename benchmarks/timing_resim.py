@@ -10,14 +10,13 @@ A validation's point forecast is scored against real runs taken minutes later on
 between them (BENCHMARKS.md), so two validations' figure counts differ by the box's phase as much as by the model;
 the same real runs re-simulated are the fair comparison of two models. DIR/box.yaml is read without its drift (the
 validation adds each scored recipe's runs to it; the point forecast never reads it). The simulations go to --out
-(default: a temporary directory); the tally is printed as the validation prints its own.
+(default: a temporary directory), each with its log; the tally is printed as the validation prints its own.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 
@@ -26,7 +25,7 @@ import yaml
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-from timing_validation import RECIPES, figures, say_tally, tally  # noqa: E402
+from timing_validation import RECIPES, figures, run, say_tally, tally  # noqa: E402
 from pdlab.timing.replay import compare, table  # noqa: E402
 
 
@@ -76,12 +75,8 @@ def main() -> int:
         comparisons = []
         for name in names:
             sim = os.path.join(out, f"{name}-sim")
-            cmd = [sys.executable, "-m", "pdlab.cli", "run", os.path.join(args.dir, f"{name}.yaml"), "--simulate",
-                   "--set", f"model.timing={path}", "--out", sim]
-            p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            if p.returncode != 0:
-                print(f"error: {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-2000:]}", file=sys.stderr)
-                return 1
+            run([sys.executable, "-m", "pdlab.cli", "run", os.path.join(args.dir, f"{name}.yaml"), "--simulate",
+                 "--set", f"model.timing={path}", "--out", sim], os.path.join(out, f"{name}-sim.log"))
             cmp = compare(figures(os.path.join(args.dir, f"{name}-real")), figures(sim))
             comparisons.append(cmp)
             if args.verbose:

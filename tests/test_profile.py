@@ -279,6 +279,9 @@ def test_steps_are_measured_in_a_process_set_up_as_a_worker(tiny):
     assert {k: c for k, c in res["kernels"].items() if k != PACKED_LINEAR} == {
         k: c.to_dict() for k, c in here.items() if k != PACKED_LINEAR}
     assert res["malloc_tuned"] == tune_malloc()
+    # the box's pace before and after the steps (pdlab.timing.pace), and its memory half apart
+    assert len(res["pace_ms"]) == len(res["memory_pace_ms"]) == 2
+    assert all(0 < m < t for t, m in zip(res["pace_ms"], res["memory_pace_ms"]))
     assert len(res["steps"]) >= 20 and {k for k in res["case_kinds"]} == set(KINDS)
     after = res["after_prefill"]  # pdlab.timing.after_prefill, in the same process
     cases = len(after_prefill.CASES) * after_prefill.REPEATS
@@ -298,6 +301,7 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     assert t.source == "measured" and t.model == "tiny-llama" and t.name == "tiny" and t.device_kind == "cpu"
     assert t.kv_bytes_per_token == 512  # 2 layers x K,V x 2 KV heads x 16 dims x 4 bytes
     assert t.kv_memory_gb > 0 and t.transfer_of("shm").gbps > 0
+    assert 0 < t.memory_pace_ms < t.pace_ms  # the box's pace, and its memory half, while the steps ran
     assert any(getattr(t.step, k) > 0 for k in TERMS)
     assert set(t.kernels) == {*CPU_KERNELS, PACKED_LINEAR}
     assert all("use" in c and "why" in c for c in t.kernels.values())

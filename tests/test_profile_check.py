@@ -71,9 +71,10 @@ def test_a_profile_with_the_new_terms_host_and_kernels_round_trips(tmp_path):
                       model="tiny-llama", step=STEP.to_raw(), kv_bytes_per_token=512, kv_memory_gb=1.0,
                       transfer={"shm": {"gbps": 10.0}}, device_kind="cpu",
                       host={"gap_ms": 0.5, "hop_ms": 1.25, "handoff_ms": 2.0},
-                      kernels={"rms_norm": {"use": False, "why": "slower here"}}, pace_ms=21.5)
+                      kernels={"rms_norm": {"use": False, "why": "slower here"}}, pace_ms=21.5,
+                      memory_pace_ms=11.25)
     t = load_profile(write_profile(str(tmp_path / "p.yaml"), raw))
-    assert t.pace_ms == 21.5
+    assert t.pace_ms == 21.5 and t.memory_pace_ms == 11.25
     assert t.step == STEP and t.host == HostTiming(0.5, 1.25, 2.0) and t.device_kind == "cpu"
     assert t.kernels == {"rms_norm": {"use": False, "why": "slower here"}}
     assert TimingProfile.from_raw(t.to_raw(), "again") == t
@@ -231,11 +232,31 @@ def test_the_box_pace_stands_beside_the_steps_and_in_their_warnings():
     assert "pace" not in lines(check_run(vs, slow, [], profile=t))[0][0]
 
 
-def test_the_pace_is_a_positive_time_and_its_ratio_the_median_worker_over_the_profile():
-    from pdlab.timing.pace import pace_ms, ratio
+def test_the_memory_half_of_the_pace_stands_apart_where_it_moved_apart():
+    """The whole computation took x1.05 the profile's at the workers' start, its memory half (the 32 MiB read)
+    x1.4: the line gives both, and the warnings name the memory half alone (the whole within PACE_DRIFT); an
+    older profile without the half says nothing of it."""
+    vs = recipe_variants({"v": {}})
+    t = TimingProfile(name="box", step=STEP, pace_ms=20.0, memory_pace_ms=10.0)
+    slow = steps_of({"prefill": 1.5, "decode": 1.5, "mixed": 1.5})
+    res = check_run(vs, slow, [], profile=t, paces={"v": {"unified0": 21.0}},
+                    memory_paces={"v": {"unified0": 14.0}})
+    assert res["v"]["pace"] == pytest.approx(1.05) and res["v"]["memory_pace"] == pytest.approx(1.4)
+    out, warn = lines(res)
+    assert "the box's pace x1.05 the profile's (its memory half x1.40)" in out[0]
+    assert len(warn) == 3 and all(w.count("(its memory half x1.40 the profile's)") == 1 for w in warn)
+    assert not any("at their start was" in w for w in warn)
+    old = check_run(vs, slow, [], profile=TimingProfile(name="old", step=STEP, pace_ms=20.0),
+                    paces={"v": {"unified0": 21.0}}, memory_paces={"v": {"unified0": 14.0}})
+    assert old["v"]["memory_pace"] is None and "memory half" not in lines(old)[0][0]
 
-    ms = pace_ms()
-    assert 0 < ms < float("inf")
+
+def test_the_pace_is_two_positive_halves_and_its_ratio_the_median_worker_over_the_profile():
+    from pdlab.timing.pace import measure, ratio
+
+    pace = measure()
+    assert 0 < pace.compute_ms < float("inf") and 0 < pace.memory_ms < float("inf")
+    assert pace.total_ms == pytest.approx(pace.compute_ms + pace.memory_ms)
     assert ratio([10.0, 30.0, 12.0], 10.0) == pytest.approx(1.2)
     assert ratio([], 10.0) is None and ratio([10.0], None) is None and ratio(None, 5.0) is None
 
@@ -281,6 +302,17 @@ def test_a_profile_warns_when_the_box_changed_speed_while_its_steps_were_measure
     assert pace_warnings([3.0, 3.0 * (1 + PROFILE_PACE_MOVED) * 0.99]) == []
     assert pace_warnings([3.0 * (1 + PROFILE_PACE_MOVED) * 0.99, 3.0]) == []
     assert pace_warnings([3.0]) == pace_warnings(None) == pace_warnings([]) == []
+
+
+def test_a_profile_warns_when_the_memory_half_of_the_pace_moved_alone():
+    """The whole pace held within PROFILE_PACE_MOVED while its memory half (the read a long context's KV steps
+    follow) moved x1.30: a warning naming the half and the terms it carries; both held, nothing; the whole moved,
+    one warning with both figures."""
+    w = pace_warnings([2.0, 2.1], [1.0, 1.3])
+    assert len(w) == 1 and "memory half" in w[0] and "x1.30" in w[0] and "context_token_ms" in w[0]
+    assert pace_warnings([2.0, 2.1], [1.0, 1.05]) == []
+    both = pace_warnings([2.0, 2.6], [1.0, 1.4])
+    assert len(both) == 1 and "(x1.30), its memory half x1.40" in both[0]
 
 
 # ---- host time ----

@@ -96,6 +96,9 @@ def test_the_run_records_which_kernels_each_worker_ran(tiny_run):
     # and the box's pace each CPU worker timed at its start (pdlab.timing.pace), for pdlab profile --check
     assert {v: set(ws) for v, ws in run.env["worker_pace_ms"].items()} == workers
     assert all(ms > 0 for ws in run.env["worker_pace_ms"].values() for ms in ws.values())
+    assert {v: set(ws) for v, ws in run.env["worker_memory_pace_ms"].items()} == workers
+    assert all(0 < run.env["worker_memory_pace_ms"][v][w] < run.env["worker_pace_ms"][v][w]
+               for v, ws in workers.items() for w in ws)
 
 
 def _measured(run, variant: str, rate: float) -> list[dict]:

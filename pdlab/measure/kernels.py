@@ -56,6 +56,7 @@ class KernelLog:
         self.by_variant: dict[str, dict[str, dict]] = {}  # variant -> worker -> kernel -> Choice dict
         # variant -> worker -> the box's pace at its start (pdlab.timing.pace), reported with the kernels: env.json
         self.paces: dict[str, dict[str, float]] = {}
+        self.memory_paces: dict[str, dict[str, float]] = {}  # its memory half: env.json worker_memory_pace_ms
         self.warnings: list[str] = []
 
     def record(self, variant: str, workers: list[Any]) -> Optional[str]:
@@ -69,6 +70,10 @@ class KernelLog:
         if paces:
             self.paces[variant] = paces
             self.rd.update_env(worker_pace_ms=self.paces)
+        memory = {w.name: float(w.memory_pace_ms) for w in workers if getattr(w, "memory_pace_ms", None)}
+        if memory:
+            self.memory_paces[variant] = memory
+            self.rd.update_env(worker_memory_pace_ms=self.memory_paces)
         self.view.note(f"{variant}: {describe(got)}")
         lost = fell_back(got)
         if not lost:

@@ -63,6 +63,7 @@ class WorkerInfo:
     pid: Optional[int] = None
     kernels: dict = field(default_factory=dict)  # CPU kernels its engine runs, and why (its Ready message)
     pace_ms: Optional[float] = None  # the box's pace at its start (its Ready message; pdlab.timing.pace)
+    memory_pace_ms: Optional[float] = None  # its memory half
 
 
 class Cluster:
@@ -92,7 +93,8 @@ class Cluster:
         procs = self.router.workers if self.router else {}
         return [WorkerInfo(w.name, w.role, list(w.where), getattr(procs.get(w.name), "proc", None) and
                            procs[w.name].proc.pid, dict(getattr(procs.get(w.name), "kernels", {}) or {}),
-                           getattr(procs.get(w.name), "pace_ms", None))
+                           getattr(procs.get(w.name), "pace_ms", None),
+                           getattr(procs.get(w.name), "memory_pace_ms", None))
                 for w in self.deployment.workers]
 
     @property

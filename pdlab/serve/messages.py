@@ -136,6 +136,7 @@ class Ready:
     # model runs: a timed engine)
     kernels: dict = field(default_factory=dict)
     pace_ms: Optional[float] = None  # the box's pace at its start (pdlab.timing.pace): CPU workers running a model
+    memory_pace_ms: Optional[float] = None  # its memory half (pdlab.timing.pace.Pace.memory_ms)
 
 
 @message

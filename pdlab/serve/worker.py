@@ -26,7 +26,7 @@ from pdlab.serve.curve import connect_as_member
 from pdlab.serve.process import die_with_parent, exit_on_signal, pin_process, use_threads
 from pdlab.serve.spec import WorkerSpec
 from pdlab.serve.tensor_group import TensorGroup
-from pdlab.timing.pace import pace_ms
+from pdlab.timing.pace import measure as measure_pace
 
 
 def run_worker(spec_dict: dict) -> None:
@@ -104,9 +104,10 @@ class Worker:
         kernels = {n: c.to_dict() for n, c in getattr(self.engine.runner, "kernels", {}).items()}
         pace = None
         if not spec.model.timing and not spec.visible_gpus:  # a CPU worker running its model
-            pace = pace_ms()
+            pace = measure_pace()
         self.send(m.Ready(self.name, os.getpid(), handle,
-                           self.engine.blocks.num_blocks, self.engine.config.block_size, fp, kernels, pace))
+                           self.engine.blocks.num_blocks, self.engine.config.block_size, fp, kernels,
+                           pace and pace.total_ms, pace and pace.memory_ms))
 
     def send(self, msg: Any) -> None:
         self.sock.send(m.encode(msg))

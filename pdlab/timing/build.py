@@ -63,7 +63,7 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     coef = F.fit_steps(train)
     held, train_err, kinds = F.errors(coef, test), F.errors(coef, train), F.by_kind(coef, test)
     warnings = fit_warnings(held, kinds, steps)
-    warnings += pace_warnings(res.get("pace_ms"))
+    warnings += pace_warnings(res.get("pace_ms"), res.get("memory_pace_ms"))
     share = cpu_share(ss)
     if share is not None and share < BUSY_SHARE:
         warnings.insert(0, f"the measuring process ran {share:.0%} of its steps' time (its CPU time over their wall "
@@ -127,7 +127,8 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                       model=model, step=coef, kv_bytes_per_token=res["kv_bytes_per_token"],
                       kv_memory_gb=res["kv_memory_gb"], transfer=usable, fit=fit,
                       device_kind="cuda" if cuda else "cpu", host=host_raw(host) if host else None,
-                      kernels=res["kernels"] or None, pace_ms=_mean(res.get("pace_ms")), contention=contention)
+                      kernels=res["kernels"] or None, pace_ms=_mean(res.get("pace_ms")),
+                      memory_pace_ms=_mean(res.get("memory_pace_ms")), contention=contention)
     report = [f"measured {len(ss)} steps in {res['measured_s']:.1f} s ({len(train)} to fit, {len(test)} held out)",
               format_step(coef), format_errors("held-out error", held)]
     report += [format_errors(f"  {k}", kinds[k]) for k in F.KINDS]
@@ -135,7 +136,9 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                f"KV {res['kv_bytes_per_token']} bytes/token; kv_memory_gb {res['kv_memory_gb']:.3g}"]
     if res.get("pace_ms"):
         report.append("the box's pace (pdlab.timing.pace; a run's workers time it too): " +
-                      " and ".join(f"{x:.3g}" for x in res["pace_ms"]) + " ms, before and after the steps")
+                      " and ".join(f"{x:.3g}" for x in res["pace_ms"]) + " ms, before and after the steps" +
+                      (" (its memory half " + " and ".join(f"{x:.3g}" for x in res["memory_pace_ms"]) + ")"
+                       if res.get("memory_pace_ms") else ""))
     if res["kernels"]:
         report.append("CPU kernels: " + ", ".join(f"{k} {'kernel' if c['use'] else 'torch'}"
                                                   for k, c in res["kernels"].items()))
@@ -194,18 +197,26 @@ def moved_far(x: Optional[float]) -> bool:
     return x is not None and max(x, 1 / x) - 1 > PROFILE_PACE_MOVED
 
 
-def pace_warnings(paces: Optional[list[float]]) -> list[str]:
-    """A warning where the box's pace (ms, before and after the steps) moved more than PROFILE_PACE_MOVED while
-    the steps were measured: the same computation took that much longer or shorter a minute later, and the step
-    model carries a mix of both speeds that neither the held-out error nor the R^2 show (the held-out steps were
-    measured in the same minute)."""
-    x = pace_moved(paces)
-    if not moved_far(x):
+def pace_warnings(paces: Optional[list[float]], memory: Optional[list[float]] = None) -> list[str]:
+    """A warning where the box's pace (ms, before and after the steps), or its memory half (`memory`), moved more
+    than PROFILE_PACE_MOVED while the steps were measured: the same computation took that much longer or shorter
+    a minute later, and the step model carries a mix of both speeds that neither the held-out error nor the R^2
+    show (the held-out steps were measured in the same minute). The memory half alone moving is said apart: the
+    two drift apart on a shared box (pdlab.timing.pace), and it is the KV reads' terms (context_token_ms) that
+    then carry the mix."""
+    x, m = pace_moved(paces), pace_moved(memory)
+    if moved_far(x):
+        what = f"the box's pace moved from {paces[0]:.3g} to {paces[-1]:.3g} ms (x{x:.2f})" + \
+            (f", its memory half x{m:.2f}," if m is not None else "")
+    elif moved_far(m):
+        what = (f"the memory half of the box's pace (a 32 MiB read) moved from {memory[0]:.3g} to {memory[-1]:.3g} ms "
+                f"(x{m:.2f}, the whole x{x:.2f}); the step model's terms for reading KV (context_token_ms) carry it"
+                if x is not None else f"the memory half of the box's pace moved x{m:.2f}")
+    else:
         return []
-    return [f"the box's pace moved from {paces[0]:.3g} to {paces[-1]:.3g} ms (x{x:.2f}) while the "
-            "steps were measured: the box changed speed under the profile, and its runs will too. Measure again when "
-            "the box is quiet (see `uptime`, and other VMs' load on a shared host), and read forecasts from this "
-            "profile with their band (pdlab profile --check RUN_DIR --profile FILE --write-drift)"]
+    return [f"{what} while the steps were measured: the box changed speed under the profile, and its runs will "
+            "too. Measure again when the box is quiet (see `uptime`, and other VMs' load on a shared host), and read "
+            "forecasts from this profile with their band (pdlab profile --check RUN_DIR --profile FILE --write-drift)"]
 
 
 def worker_step_warnings(alone: dict[str, float], moved: Optional[float] = None) -> list[str]:

@@ -68,14 +68,15 @@ def profile_for(name: str, variants: dict[str, Any]) -> Optional[tuple[Any, str]
 
 def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
               profile: Optional[Any] = None, kernels: Optional[dict[str, dict]] = None,
-              paces: Optional[dict[str, dict]] = None) -> dict:
+              paces: Optional[dict[str, dict]] = None, memory_paces: Optional[dict[str, dict]] = None) -> dict:
     """variant -> {profile, by, modelled, other_model, steps, overall, kinds, host, profile_host, contention,
-    profile_contention, kernels, pace} for every
+    profile_contention, kernels, pace, memory_pace} for every
     variant with a profile to check (`profile` given: that one for every variant) and steps to check it on.
     `kernels`: variant -> worker -> the CPU kernels it ran (env.json's cpu_kernels); `kernels` in the result is
     a warning when they are not the profile's (pdlab.timing.provenance), else None. `paces`: variant -> worker
     -> the box's pace at its start (env.json's worker_pace_ms); `pace` in the result is the median of its
-    workers' over the profile's (pdlab.timing.pace.ratio), None where either is missing. `contention`: the
+    workers' over the profile's (pdlab.timing.pace.ratio), None where either is missing; `memory_paces` and
+    `memory_pace` the same of its memory half (env.json's worker_memory_pace_ms). `contention`: the
     run's own (pdlab.timing.contention; None for timed workers, which wait the model out). `other_model`: how the
     model the variant ran differs from the profile's (other_model), None where it does not or the workers were
     timed."""
@@ -102,7 +103,9 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
                      "profile_contention": p.contention.to_raw(),
                      "kernels": worker_warning(name, p, (kernels or {}).get(name) or {}),
                      "pace": None if v.model.modelled else ratio(list(((paces or {}).get(name) or {}).values()),
-                                                                  p.pace_ms)}
+                                                                  p.pace_ms),
+                     "memory_pace": None if v.model.modelled else ratio(
+                         list(((memory_paces or {}).get(name) or {}).values()), p.memory_pace_ms)}
     return out
 
 
@@ -199,7 +202,7 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         h, ph = c["host"], c["profile_host"]
         host = ", ".join(f"{k[:-3]} {_ms(h.get(k))} ({_ms(ph.get(k))})" for k in FIGURES if h.get(k) is not None)
         what = "timed steps" if c["modelled"] else "steps"
-        pace = c.get("pace")
+        pace, memory = c.get("pace"), c.get("memory_pace")
         con = c.get("contention") or {}
         pc = c["profile_contention"]
         contention = ", ".join([f"{k} {con[k]:.3g} ({pc.get(k, 0):.3g})" for k in ("prefill_x", "decode_x", "cold_ms",
@@ -211,8 +214,9 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         out.append(f"{name}: {what} against profile {c['profile']} ({c['by']}): MAPE {kinds} [measured/predicted, "
                    f"steps]" + (f"; host ms {host} [run (profile)]" if host else "") +
                    (f"; contention {contention} [run (profile)]" if contention else "") +
-                   (f"; the box's pace x{pace:.2f} the profile's (a fixed computation timed at each worker's start)"
-                    if pace is not None else "") +
+                   (f"; the box's pace x{pace:.2f} the profile's" + (f" (its memory half x{memory:.2f})"
+                                                                    if memory is not None else "") +
+                    " (a fixed computation timed at each worker's start)" if pace is not None else "") +
                    ("; own CPU " + ", ".join(f"{w} {x:.2f}" for w, x in c["cpu_share"].items()) +
                     " of their steps' time (the rest: other processes on their cores)" if c.get("cpu_share") else ""))
         for k, e in c["kinds"].items():
@@ -226,10 +230,18 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
             else:
                 warn.append(f"{name}: profile {c['profile']} predicts its {k} steps with {off}: it does not "
                             "describe these workers"
-                            + (f" (the box's pace at their start was x{pace:.2f} the profile's)"
-                               if pace is not None and abs(pace - 1) > PACE_DRIFT else "") + "; measure one here "
+                            + _pace_said(pace, memory) + "; measure one here "
                             "with pdlab profile, just before the run")
     return out, warn
+
+
+def _pace_said(pace: Optional[float], memory: Optional[float]) -> str:
+    """' (the box's pace at their start was x1.12 the profile's, its memory half x1.30)' where either moved
+    beyond PACE_DRIFT, else ''."""
+    moved = [f"{what} x{x:.2f} the profile's" for what, x in (("the box's pace at their start was", pace),
+                                                             ("its memory half", memory))
+             if x is not None and abs(x - 1) > PACE_DRIFT]
+    return f" ({', '.join(moved)})" if moved else ""
 
 
 def _ms(x: Optional[float]) -> str:
@@ -238,12 +250,13 @@ def _ms(x: Optional[float]) -> str:
 
 def run_facts(variants: dict[str, Any], steps: list[dict], requests: list[dict],
               kernels: Optional[dict[str, dict]] = None,
-              paces: Optional[dict[str, dict]] = None) -> tuple[dict, list[str]]:
+              paces: Optional[dict[str, dict]] = None,
+              memory_paces: Optional[dict[str, dict]] = None) -> tuple[dict, list[str]]:
     """What a run's summary says of its profiles: ({variants: check_run's result, lines}, warnings): the check
     of every variant whose recipe names a profile, and the profile's provenance for timed variants (measured
     on another CPU, with other kernels than this machine chooses: pdlab.timing.provenance)."""
     try:
-        checks = check_run(variants, steps, requests, kernels=kernels, paces=paces)
+        checks = check_run(variants, steps, requests, kernels=kernels, paces=paces, memory_paces=memory_paces)
     except CheckError as e:
         return {"variants": {}, "lines": [], "error": str(e)}, [f"profile check: {e}"]
     out, warn = lines(checks)

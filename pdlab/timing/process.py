@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 from pdlab.serve.launch import start_process
-from pdlab.timing.pace import pace_ms
+from pdlab.timing.pace import measure as measure_pace
 
 
 class MeasureError(RuntimeError):
@@ -146,7 +146,7 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     say(f"measuring in a process pinned to {', '.join(job.devices)} ({where}); {len(cases)} cases, about "
         f"{job.steps} steps (prompts/contexts up to {lim.max_context} tokens, up to {lim.max_batch} decodes a step); "
         f"pool {worker.blocks.num_blocks} blocks")
-    paces = [] if cuda else [pace_ms()]  # the box's pace (pdlab.timing.pace), before and after the steps
+    paces = [] if cuda else [measure_pace()]  # the box's pace (pdlab.timing.pace), before and after the steps
     t0 = last = time.monotonic()
 
     def progress(done: int, n: int) -> None:
@@ -160,13 +160,14 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     took = time.monotonic() - t0
     after = after_prefill.measure_after_prefill(model, lim, rng, pool=slices, primer=Primer(model, rng, pool=slices))
     if not cuda:
-        paces.append(pace_ms())
+        paces.append(measure_pace())
     kv_per_token = worker.block_bytes // worker.config.block_size
     del worker
     transfers = probe_transfers(dims, "cuda" if cuda else "cpu", next(model.parameters()).dtype)
     return {"device": where, "threads": threads, "cores": cores, "pid": os.getpid(), "kv_memory_gb": mem_gb,
             "kv_bytes_per_token": kv_per_token, "kernels": kernels, "malloc_tuned": bool(tune_malloc()),
-            "torch": str(torch.__version__), "measured_s": took, "pace_ms": paces, "case_kinds": [c.kind for c in cases],
+            "torch": str(torch.__version__), "measured_s": took, "pace_ms": [x.total_ms for x in paces],
+            "memory_pace_ms": [x.memory_ms for x in paces], "case_kinds": [c.kind for c in cases],
             "max_context": lim.max_context, "max_batch": lim.max_batch,
             "steps": [[s.counts.to_dict(), s.ms, s.case, s.cpu_ms] for s in samples], "after_prefill": after,
             "transfers": {k: {**t, "gbps": t["gbps"] if np.isfinite(t["gbps"]) else None}

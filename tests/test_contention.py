@@ -388,6 +388,9 @@ def test_a_probe_whose_workers_step_far_off_the_profile_warns_by_kind():
     assert "decode steps at x0.75" in box and "pace moved x0.74" in box and "kernels" not in box
     (path,) = worker_step_warnings({"decode": 0.75, "prefill": 0.95}, moved=1.05)  # a steady box: the path
     assert "kernels" in path and "pace moved" not in path
+    # the whole steady, its memory half moved x1.3: the box again
+    (memory,) = worker_step_warnings({"decode": 1.25, "prefill": 1.0}, moved=1.05, memory_moved=1.3)
+    assert "memory half of the box's pace moved x1.30" in memory and "kernels" not in memory
 
 
 def test_a_fresh_profile_keeps_its_probes_contention_with_no_factor_below_1():

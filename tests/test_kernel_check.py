@@ -137,8 +137,9 @@ def test_the_run_says_what_ran_and_warns_when_kernels_fell_back(tmp_path):
             self.notes.append(line)
 
     class W:
-        def __init__(self, name, kernels):
+        def __init__(self, name, kernels, pace_ms=None, memory_pace_ms=None):
             self.name, self.kernels = name, kernels
+            self.pace_ms, self.memory_pace_ms = pace_ms, memory_pace_ms
 
     rd, view = Rd(), View()
     log = KernelLog(rd, view)
@@ -156,6 +157,11 @@ def test_the_run_says_what_ran_and_warns_when_kernels_fell_back(tmp_path):
     assert log.facts()["pd"]["describe"] == describe(log.by_variant["pd"])
     assert describe({"unified0": {}}) == "no model runs (modelled timing)"
     assert log.record("vllm", [type("Server", (), {"name": "s0"})()]) is None and "vllm" not in log.by_variant
+    # the box's pace each worker timed at its start, and its memory half, each under its own key of env.json
+    assert "worker_pace_ms" not in rd.env  # none reported one so far (timed engines, external servers)
+    log.record("paced", [W("prefill0", choices(), 2.5, 1.25), W("decode0", choices(), 2.25, 1.0)])
+    assert rd.env["worker_pace_ms"] == {"paced": {"prefill0": 2.5, "decode0": 2.25}}
+    assert rd.env["worker_memory_pace_ms"] == {"paced": {"prefill0": 1.25, "decode0": 1.0}}
 
 
 @pytest.mark.slow

@@ -99,7 +99,8 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
             # model's pace, as the profile's own did a minute before (x0.98-1.06 on the 2-core Xeon; BENCHMARKS.md,
             # 2026-12-03 seventh session); far off, the profile did not measure what a worker runs
             fit["host"]["worker_steps"] = {k: round(x, 4) for k, x in est["alone"].items() if x is not None}
-            warnings += worker_step_warnings(fit["host"]["worker_steps"], pace_moved(res.get("pace_ms")))
+            warnings += worker_step_warnings(fit["host"]["worker_steps"], pace_moved(res.get("pace_ms")),
+                                             pace_moved(res.get("memory_pace_ms")))
             fit["contention"] = {"samples": est["samples"], "probed": probed,
                                  "how": "the host probe's steps against the fitted step model (pdlab.timing."
                                         "contention); all kept: prefill_x and decode_x (at 1 or more), cold_ms and "
@@ -137,7 +138,7 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
     if res.get("pace_ms"):
         report.append("the box's pace (pdlab.timing.pace; a run's workers time it too): " +
                       " and ".join(f"{x:.3g}" for x in res["pace_ms"]) + " ms, before and after the steps" +
-                      (" (its memory half " + " and ".join(f"{x:.3g}" for x in res["memory_pace_ms"]) + ")"
+                      (" (its memory half " + " and ".join(f"{x:.3g}" for x in res["memory_pace_ms"]) + " ms)"
                        if res.get("memory_pace_ms") else ""))
     if res["kernels"]:
         report.append("CPU kernels: " + ", ".join(f"{k} {'kernel' if c['use'] else 'torch'}"
@@ -206,27 +207,31 @@ def pace_warnings(paces: Optional[list[float]], memory: Optional[list[float]] = 
     then carry the mix."""
     x, m = pace_moved(paces), pace_moved(memory)
     if moved_far(x):
-        what = f"the box's pace moved from {paces[0]:.3g} to {paces[-1]:.3g} ms (x{x:.2f})" + \
-            (f", its memory half x{m:.2f}," if m is not None else "")
+        what = (f"the box's pace moved from {paces[0]:.3g} to {paces[-1]:.3g} ms (x{x:.2f}"
+                + (f"; its memory half x{m:.2f}" if m is not None else "") + ") while the steps were measured: the "
+                "box changed speed under the profile")
     elif moved_far(m):
         what = (f"the memory half of the box's pace (a 32 MiB read) moved from {memory[0]:.3g} to {memory[-1]:.3g} ms "
-                f"(x{m:.2f}, the whole x{x:.2f}); the step model's terms for reading KV (context_token_ms) carry it"
-                if x is not None else f"the memory half of the box's pace moved x{m:.2f}")
+                f"(x{m:.2f}" + (f"; the whole x{x:.2f}" if x is not None else "") + ") while the steps were "
+                "measured: the step model's term for reading KV (context_token_ms) carries both speeds")
     else:
         return []
-    return [f"{what} while the steps were measured: the box changed speed under the profile, and its runs will "
-            "too. Measure again when the box is quiet (see `uptime`, and other VMs' load on a shared host), and read "
-            "forecasts from this profile with their band (pdlab profile --check RUN_DIR --profile FILE --write-drift)"]
+    return [f"{what}, and its runs will move too. Measure again when the box is quiet (see `uptime`, and other VMs' "
+            "load on a shared host), and read forecasts from this profile with their band (pdlab profile --check "
+            "RUN_DIR --profile FILE --write-drift)"]
 
 
-def worker_step_warnings(alone: dict[str, float], moved: Optional[float] = None) -> list[str]:
+def worker_step_warnings(alone: dict[str, float], moved: Optional[float] = None,
+                         memory_moved: Optional[float] = None) -> list[str]:
     """A warning for each kind of step (kind -> the median of the host probe's warm steps alone over the step
     model) that a real worker stepped more than PROFILE_CHECK_MAPE_PCT off the profile's own. Where the box's
-    pace moved far while the steps were measured (`moved`, pace_moved), that is the likelier cause, and the
-    warning says so rather than blame the worker path (2026-12-07: the pace x0.74, the probe's steps x0.75-0.84)."""
-    if moved_far(moved):
-        why = (f"; the box's pace moved x{moved:.2f} while the profile's steps were measured, the likelier cause: "
-               "measure again on a quiet box")
+    pace, or its memory half (`memory_moved`), moved far while the steps were measured (`moved`, pace_moved),
+    that is the likelier cause, and the warning says so rather than blame the worker path (2026-12-07: the pace
+    x0.74, the probe's steps x0.75-0.84)."""
+    if moved_far(moved) or moved_far(memory_moved):
+        which = (f"the box's pace moved x{moved:.2f}" if moved_far(moved)
+                 else f"the memory half of the box's pace moved x{memory_moved:.2f}")
+        why = f"; {which} while the profile's steps were measured, the likelier cause: measure again on a quiet box"
     else:
         why = (": the profile's steps were not a worker's. Compare the kernels a run's workers report (env.json) "
                "with the profile's, and measure again on a quiet box")

@@ -214,7 +214,7 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
         out.append(f"{name}: {what} against profile {c['profile']} ({c['by']}): MAPE {kinds} [measured/predicted, "
                    f"steps]" + (f"; host ms {host} [run (profile)]" if host else "") +
                    (f"; contention {contention} [run (profile)]" if contention else "") +
-                   (f"; the box's pace x{pace:.2f} the profile's" + (f" (its memory half x{memory:.2f})"
+                   (f"; the box's pace x{pace:.2f} the profile's" + (f", its memory half x{memory:.2f}"
                                                                     if memory is not None else "") +
                     " (a fixed computation timed at each worker's start)" if pace is not None else "") +
                    ("; own CPU " + ", ".join(f"{w} {x:.2f}" for w, x in c["cpu_share"].items()) +
@@ -236,12 +236,18 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
 
 
 def _pace_said(pace: Optional[float], memory: Optional[float]) -> str:
-    """' (the box's pace at their start was x1.12 the profile's, its memory half x1.30)' where either moved
-    beyond PACE_DRIFT, else ''."""
-    moved = [f"{what} x{x:.2f} the profile's" for what, x in (("the box's pace at their start was", pace),
-                                                             ("its memory half", memory))
-             if x is not None and abs(x - 1) > PACE_DRIFT]
-    return f" ({', '.join(moved)})" if moved else ""
+    """What a warning says of the workers' pace at their start against the profile's, where it or its memory
+    half moved beyond PACE_DRIFT: ' (the box's pace at their start was x1.45 the profile's, its memory half
+    x1.60)', ' (the memory half of the box's pace at their start was x1.40 the profile's)', or ''."""
+    def far(x: Optional[float]) -> bool:
+        return x is not None and abs(x - 1) > PACE_DRIFT
+
+    if far(pace):
+        return (f" (the box's pace at their start was x{pace:.2f} the profile's"
+                + (f", its memory half x{memory:.2f}" if memory is not None else "") + ")")
+    if far(memory):
+        return f" (the memory half of the box's pace at their start was x{memory:.2f} the profile's)"
+    return ""
 
 
 def _ms(x: Optional[float]) -> str:

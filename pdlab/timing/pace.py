@@ -6,7 +6,7 @@ one shape drifted from 13 to 21 ms within one benchmark, and a run's steps took 
 prediction while the profile fitted its own held-out steps with R² 0.98 (BENCHMARKS.md, issue 25). A profile
 measured before a run cannot predict that drift. What this gives is a figure to read beside the miss: the
 profile records its pace, every CPU worker times the same computation when it starts (its Ready message;
-env.json's `worker_pace_ms`), and `pdlab profile --check` shows the ratio of the two with the steps'
+env.json's `worker_pace_ms`, and `worker_memory_pace_ms` for the memory half), and `pdlab profile --check` shows the ratio of the two with the steps'
 measured / predicted. It is a snapshot at the workers' start, tens of milliseconds long, and the box drifts
 within a run: on the developers' box it matched the steps' ratio in some runs and not in others
 (BENCHMARKS.md), so it is shown, not used to correct anything.
@@ -45,7 +45,8 @@ class Pace:
 
     @property
     def total_ms(self) -> float:
-        """The whole computation: a profile's and a worker's `pace_ms`."""
+        """The whole computation: a profile's and a worker's `pace_ms`. The sum of the halves' medians (before
+        2026-12-07 the median of the whole, timed at once: the same figure within the box's noise)."""
         return self.compute_ms + self.memory_ms
 
 

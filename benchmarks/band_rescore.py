@@ -7,8 +7,10 @@ real: each recipe, in the order the validation ran them, is simulated from DIR/b
 calibration left it, and again with the real runs (and reruns) of the recipes before it added to the drift, as
 `pdlab profile --check RUN --profile FILE --write-drift` would have added them (what `timing_validation.py
 --accumulate` now does as it goes). Each real run is held against both bands (pdlab.timing.replay.covered):
-figures within the target of some value in the band. A recipe's own runs never feed its own band. Simulated,
-not measured: the bands are the simulator's; the runs they are held against are the validation's.
+figures within the target of some value in the band; and the band's centre (the recipe simulated at the drift's
+median) is scored against it as a forecast is (pdlab.timing.replay.compare, the same targets). A recipe's own runs
+never feed its own band. Simulated, not measured: the bands are the simulator's; the runs they are held against are
+the validation's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import yaml
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def main() -> int:
@@ -34,7 +37,7 @@ def main() -> int:
     from pdlab.sim.band import forecast_band
     from pdlab.sim.experiment import simulate_recipe
     from pdlab.timing.drift import merged, run_factors
-    from pdlab.timing.replay import covered, figures, within
+    from pdlab.timing.replay import compare, covered, figures, within
     from pdlab.workload import build_workload
 
     path = os.path.join(args.out, "validation.json")
@@ -49,6 +52,7 @@ def main() -> int:
     kept = (done.get("calibration") or {}).get("drift_raw")
     calibration = Drift.from_raw(kept, "drift_raw") if kept is not None else profile.drift
     drift, totals = calibration, {"calibration": {}, "accumulated": {}}
+    centres: dict[str, list] = {"calibration": [], "accumulated": []}  # the centre's comparisons, recipe by recipe
     for i, name in enumerate(names):
         real = load_run(os.path.join(args.out, f"{name}-real"))
         raw = yaml.safe_load(open(os.path.join(args.out, f"{name}.yaml")))
@@ -60,6 +64,10 @@ def main() -> int:
             res = simulate_recipe(r, wl)
             band = forecast_band(res.recipe, res.slo, wl)
             met = within(covered(figures(real.requests, real.summary), band) if band else [])
+            if band and band.get("mid"):
+                centres[which].append(compare(figures(real.requests, real.summary), band["mid"]))
+                if i == 0:
+                    centres["accumulated"].append(centres[which][-1])
             for k, (a, b) in met.items():
                 t = totals[which].setdefault(k, [0, 0])
                 t[0], t[1] = t[0] + a, t[1] + b
@@ -77,9 +85,17 @@ def main() -> int:
                 # every variant of a validation runs its model (timing.drift.checked_variants would keep them all)
                 factors = run_factors(profile, rr.steps, sorted({s["variant"] for s in rr.steps}))
                 drift = merged(drift, factors, str(rr.env.get("time") or ran))
+    from timing_validation import tally
+
     for which, t in totals.items():
         print(f"within the target of the band from the {which} drift: "
               + ", ".join(f"{k} {a}/{b}" for k, (a, b) in t.items()))
+        if centres[which]:
+            c = tally([r for x in centres[which] for r in x["rows"]], centres[which])
+            print(f"the band's centre (the drift's median) from the {which} drift, within target: "
+                  f"{sum(m['within'] for m in c['met'].values())} of {sum(m['of'] for m in c['met'].values())} ("
+                  + ", ".join(f"{k} {m['within']}/{m['of']}" for k, m in c["met"].items())
+                  + f"); same ranking {c['ranking_same']['recipes']}/{c['ranking_same']['of']}")
     return 0
 
 

@@ -64,6 +64,11 @@ def test_a_band_at_the_runs_own_pace_holds_the_run_and_the_point_forecast_does_n
         for k in ("ttft_p50", "ttft_p90", "itl_p90", "attainment") + (("saturation",) if r["rate"] == "inf" else ()):
             assert r[k]["lo"] == pytest.approx(r[k]["real"], rel=1e-6, abs=1e-9), (r["variant"], r["rate"], k)
     assert all(a == b for a, b in within(rows).values())
+    # the band's centre, at the drift's median (every pace x1.3 here), is the run's figures too
+    for v in real:
+        for tag, x in real[v].items():
+            for k in ("ttft_p50", "ttft_p90", "itl_p90", "attainment", "output_tok_s"):
+                assert band["mid"][v][tag][k] == pytest.approx(x[k], rel=1e-6, abs=1e-9), (v, tag, k)
     # the point forecast, at the profile's pace, is 1.3x too fast: its saturation misses beyond the target
     s = res.summary()
     sim = figures(res.requests, s)
@@ -74,9 +79,10 @@ def test_a_band_at_the_runs_own_pace_holds_the_run_and_the_point_forecast_does_n
 def test_a_wider_drift_orders_the_band_and_a_run_beyond_it_is_named(tmp_path):
     _, band = forecast(PROFILE.replace(drift=Drift(factors=(0.9,) * 4 + (1.5,) * 4, runs=2)))
     assert band["variants"]["unified"]["pace"] == [pytest.approx(0.9), pytest.approx(1.5)]
-    for v in ("unified", "pd"):  # slower steps: later tokens, less throughput
-        assert band["lo"][v]["inf"]["ttft_p50"] < band["hi"][v]["inf"]["ttft_p50"]
-        assert band["lo"][v]["inf"]["output_tok_s"] > band["hi"][v]["inf"]["output_tok_s"]
+    for v in ("unified", "pd"):  # slower steps: later tokens, less throughput; the centre (x1.2) between
+        assert band["lo"][v]["inf"]["ttft_p50"] < band["mid"][v]["inf"]["ttft_p50"] < band["hi"][v]["inf"]["ttft_p50"]
+        assert band["lo"][v]["inf"]["output_tok_s"] > band["mid"][v]["inf"]["output_tok_s"] > \
+            band["hi"][v]["inf"]["output_tok_s"]
     run = fake_run(PROFILE.scaled(1.2), tmp_path)
     rows = covered(figures(run.requests, run.summary), band)
     sat = [r["saturation"] for r in rows if "saturation" in r]
@@ -88,6 +94,10 @@ def test_a_wider_drift_orders_the_band_and_a_run_beyond_it_is_named(tmp_path):
     text = lines(band, parse_recipe(recipe(PROFILE.replace(drift=Drift(factors=(0.9,) * 4 + (1.5,) * 4, runs=2)))))
     assert text[0].startswith("forecast band (simulated, not measured)") and "x0.90-1.50" in text[0]
     assert any(ln.strip().startswith("pd @ inf req/s: TTFT p50") and "tok/s" in ln for ln in text)
+    mid = band["mid"]["pd"]["inf"]
+    (pd_inf,) = [ln for ln in text if ln.strip().startswith("pd @ inf req/s")]
+    assert f"({mid['ttft_p50']:.0f}) ms" in pd_inf and f"({mid['output_tok_s']:.0f}) tok/s" in pd_inf
+    assert "in brackets at its median" in text[0]
     assert band["variants"]["pd"]["median"] == pytest.approx(1.2)
     assert sum("note: the runs checked with profile box stepped x1.20" in ln for ln in text) == 1  # its median
 

@@ -1,6 +1,7 @@
 """A forecast's band: the recipe simulated again with every worker at the slow and at the fast end of the box's
-drift against its profile (the profile's `drift`, pdlab.timing.drift), at the rates and SLO the forecast
-resolved, so that a forecast says how far the box's pace alone moves each figure at the same absolute load.
+drift against its profile (the profile's `drift`, pdlab.timing.drift), and at its median (the band's centre),
+at the rates and SLO the forecast resolved, so that a forecast says how far the box's pace alone moves each
+figure at the same absolute load, and where the runs checked with the profile put it.
 A recipe written relative to the box (rates `0.5x`, a relative SLO) is held at what the forecast resolved
 too: a real run on a slower box resolves lower rates and a looser SLO, which the band does not follow.
 
@@ -16,6 +17,14 @@ process's share of the workers' cores is not added again (the factors hold it, a
 Gaps, hops and transfers are the profile's. The figures are the replay's and the validation's
 (pdlab.timing.replay.figures): TTFT p50 and p90, the p90 over requests of each request's p99 ITL, attainment,
 and output throughput at saturation (rate inf); and, where a variant searched its rates, its goodput.
+
+The centre: the point forecast steps every worker at the profile's own pace, the pace of the minute it was
+measured in; the drift's median is the pace the box's checked runs stepped at. Over six validations on the
+developers' Xeon (BENCHMARKS.md, 2026-12-07 fifth session; benchmarks/band_rescore.py) the centre, from the drift
+the profile had when each recipe was forecast (a calibration run's, then each scored recipe's runs), met 576 of 612
+figures where the point forecast met 553 (its worst validation 88 of 102 against 78; better in four, 3 figures
+worse in two), and from the calibration run's alone 563. Both are printed: the point forecast is the profile's,
+the centre what the runs checked with it say.
 """
 
 from __future__ import annotations
@@ -53,9 +62,9 @@ def at_pace(recipe: Recipe, slo: SLO, variants: dict[str, float]) -> tuple[Recip
 
 
 def forecast_band(recipe: Recipe, slo: SLO, workloads: dict[str, Any]) -> Optional[dict]:
-    """{levels, variants: name -> {pace: [lo, hi], median, paces, runs}, lo, hi: figures at each end (variant ->
-    rate tag -> figure), goodput: {lo, hi}: variant -> goodput where searched, slots: {lo, hi}: variant -> its
-    decode_slots}; None where no variant's profile has a band.
+    """{levels, variants: name -> {pace: [lo, hi], median, paces, runs}, lo, mid, hi: figures at each end and at
+    the drift's median (variant -> rate tag -> figure), goodput: {lo, mid, hi}: variant -> goodput where searched,
+    slots: {lo, mid, hi}: variant -> its decode_slots}; None where no variant's profile has a band.
     `recipe`: as the forecast resolved it (absolute rates); `slo`: the absolute SLO it resolved."""
     # deferred: torch
     from pdlab.sim.experiment import simulate_recipe
@@ -69,8 +78,9 @@ def forecast_band(recipe: Recipe, slo: SLO, workloads: dict[str, Any]) -> Option
                  "variants": {n: {"pace": list(b), "median": drifts[n].median(),
                                   "paces": len(drifts[n].factors), "runs": drifts[n].runs} for n, b in found.items()},
                  "goodput": {}}
-    for end, i in (("lo", 0), ("hi", 1)):
-        fixed, paces = at_pace(recipe, slo, {n: b[i] for n, b in found.items()})
+    for end in ("lo", "mid", "hi"):
+        fixed, paces = at_pace(recipe, slo, {n: drifts[n].median() if end == "mid" else b[end == "hi"]
+                                             for n, b in found.items()})
         res = simulate_recipe(fixed, workloads, paces=paces)
         s = res.summary()
         out[end] = figures(res.requests, s)
@@ -107,11 +117,12 @@ def _off(band: dict, recipe: Recipe) -> list[str]:
     return out
 
 
-def _span(a: Optional[float], b: Optional[float], digits: int) -> str:
+def _span(a: Optional[float], b: Optional[float], digits: int, mid: Optional[float] = None) -> str:
+    """'95-120', or with the centre '95-120 (104)'."""
     if a is None or b is None:
         return "-"
     lo, hi = sorted((a, b))
-    return f"{lo:.{digits}f}-{hi:.{digits}f}"
+    return f"{lo:.{digits}f}-{hi:.{digits}f}" + (f" ({mid:.{digits}f})" if mid is not None else "")
 
 
 def lines(band: Optional[dict], recipe: Recipe) -> list[str]:
@@ -123,24 +134,26 @@ def lines(band: Optional[dict], recipe: Recipe) -> list[str]:
     if band is None:
         return out
     out.insert(0, "forecast band (simulated, not measured): each variant again with every worker at the slow and "
-                  "the fast end of the box's drift against its profile, at the forecast's rates and SLO (" +
+                  "the fast end of the box's drift against its profile, and in brackets at its median (the pace its "
+                  "checked runs stepped at), at the forecast's rates and SLO (" +
                "; ".join(f"{n}: {recipe.variants[n].model.timing.drift.describe()}" for n in band["variants"]) + ")")
     out += _off(band, recipe)
-    lo, hi = band["lo"], band["hi"]
+    lo, hi, centre = band["lo"], band["hi"], band.get("mid") or {}
     for v in band["variants"]:
         for tag, a in lo.get(v, {}).items():
             if tag not in hi.get(v, {}):
                 continue  # a rate one end's search tried and the other's did not: its goodput line says it
-            b = hi[v][tag]
-            out.append(f"  {v} @ {tag} req/s: TTFT p50 {_span(a['ttft_p50'], b.get('ttft_p50'), 0)} ms, "
-                       f"p90 {_span(a['ttft_p90'], b.get('ttft_p90'), 0)} ms; p99 ITL p90 "
-                       f"{_span(a['itl_p90'], b.get('itl_p90'), 1)} ms; attainment "
-                       f"{_span(a['attainment'], b.get('attainment'), 2)}"
-                       + (f"; output {_span(a['output_tok_s'], b.get('output_tok_s'), 0)} tok/s" if tag == "inf"
-                          else ""))
+            b, m = hi[v][tag], centre.get(v, {}).get(tag, {})
+
+            def span(k: str, digits: int) -> str:
+                return _span(a[k], b.get(k), digits, m.get(k))
+
+            out.append(f"  {v} @ {tag} req/s: TTFT p50 {span('ttft_p50', 0)} ms, p90 {span('ttft_p90', 0)} ms; "
+                       f"p99 ITL p90 {span('itl_p90', 1)} ms; attainment {span('attainment', 2)}"
+                       + (f"; output {span('output_tok_s', 0)} tok/s" if tag == "inf" else ""))
         g = [band["goodput"][e].get(v) for e in ("lo", "hi")]
         if all(x is not None for x in g):
-            out.append(f"  {v}: goodput {_span(g[0], g[1], 2)} req/s")
+            out.append(f"  {v}: goodput {_span(g[0], g[1], 2, band['goodput'].get('mid', {}).get(v))} req/s")
         for end, what, i in (("hi", "slow", 1), ("lo", "fast", 0)):  # the slow end first: where the cliff comes
             slots = band.get("slots", {}).get(end, {}).get(v)
             w = slots_warning(v, slots["rates"], slots["max_running"], "simulated") if slots else None

@@ -39,6 +39,7 @@ def main() -> int:
     from pdlab.timing.drift import merged, run_factors
     from pdlab.timing.replay import compare, covered, figures, within
     from pdlab.workload import build_workload
+    from timing_validation import tally
 
     path = os.path.join(args.out, "validation.json")
     if not os.path.isfile(path):
@@ -65,7 +66,8 @@ def main() -> int:
             band = forecast_band(res.recipe, res.slo, wl)
             met = within(covered(figures(real.requests, real.summary), band) if band else [])
             if band and band.get("mid"):
-                centres[which].append(compare(figures(real.requests, real.summary), band["mid"]))
+                banded = {v: f for v, f in figures(real.requests, real.summary).items() if v in band["variants"]}
+                centres[which].append(compare(banded, band["mid"]))
                 if i == 0:
                     centres["accumulated"].append(centres[which][-1])
             for k, (a, b) in met.items():
@@ -85,8 +87,6 @@ def main() -> int:
                 # every variant of a validation runs its model (timing.drift.checked_variants would keep them all)
                 factors = run_factors(profile, rr.steps, sorted({s["variant"] for s in rr.steps}))
                 drift = merged(drift, factors, str(rr.env.get("time") or ran))
-    from timing_validation import tally
-
     for which, t in totals.items():
         print(f"within the target of the band from the {which} drift: "
               + ", ".join(f"{k} {a}/{b}" for k, (a, b) in t.items()))

@@ -199,13 +199,17 @@ def band_lines(rows: list[dict]) -> list[str]:
 
 
 def render(name: str, cmp: dict, check: str, paced: dict | None, again: dict | None = None,
-           band: list[dict] | None = None) -> None:
+           band: list[dict] | None = None, centre: dict | None = None) -> None:
     print(f"\n{name}: real / simulated and the error (! beyond the target)")
     for line in table(cmp):
         print(f"  {line}")
     if band:
         print("  the real run against the forecast's band (the profile's drift; + inside, ~ within the target of it):")
         for line in band_lines(band):
+            print(f"    {line}")
+    if centre:
+        print("  the band's centre (every worker at the drift's median pace) as a forecast:")
+        for line in table(centre):
             print(f"    {line}")
     for line in check.splitlines():
         print(f"  {line}")
@@ -368,7 +372,8 @@ def main() -> int:
                                     "again": again, "band": fb, "band_rows": band,
                                     "drift": (fb or {}).get("variants"),  # each variant's pace band, as forecast
                                     # the band's centre (the drift's median) scored as a forecast is
-                                    "centre": compare(figures(real), fb["mid"]) if fb and fb.get("mid") else None}
+                                    "centre": compare({v: f for v, f in figures(real).items() if v in fb["variants"]},
+                                                      fb["mid"]) if fb and fb.get("mid") else None}
         if args.calibrate:
             sim2 = os.path.join(args.out, f"{name}-sim-calibrated")
             run(py + ["run", path, "--simulate", "--set", f"model.timing={calibrated}", "--out", sim2],
@@ -378,7 +383,7 @@ def main() -> int:
             for i, done in enumerate([real] + ([real2] if args.again else [])):
                 run(py + ["profile", "--check", done, "--profile", profile, "--write-drift"],
                     os.path.join(args.out, f"{name}-drift{i}.log"))
-        render(name, cmp, check, paced, again, band)
+        render(name, cmp, check, paced, again, band, results["recipes"][name]["centre"])
         if args.calibrate:
             print("  the forecast from the profile with the calibration run's host time and contention "
                   "(--write-host):")

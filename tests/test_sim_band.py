@@ -1,7 +1,7 @@
 """A forecast's band (pdlab.sim.band) from its profile's drift (pdlab.timing.drift, `pdlab profile --check RUN
 --write-drift`): each worker's pace against the profile in each rate of a checked run, kept in the profile; a
-simulation from it runs again with every worker at the slow and the fast end, and a later run's figures are held
-against that band (pdlab.timing.replay.covered)."""
+simulation from it runs again with every worker at the slow and the fast end and at the drift's median (the band's
+centre), and a later run's figures are held against that band (pdlab.timing.replay.covered)."""
 
 import pytest
 import yaml
@@ -97,9 +97,25 @@ def test_a_wider_drift_orders_the_band_and_a_run_beyond_it_is_named(tmp_path):
     mid = band["mid"]["pd"]["inf"]
     (pd_inf,) = [ln for ln in text if ln.strip().startswith("pd @ inf req/s")]
     assert f"({mid['ttft_p50']:.0f}) ms" in pd_inf and f"({mid['output_tok_s']:.0f}) tok/s" in pd_inf
-    assert "in brackets at its median" in text[0]
+    assert "in brackets at the drift's median" in text[0]
     assert band["variants"]["pd"]["median"] == pytest.approx(1.2)
     assert sum("note: the runs checked with profile box stepped x1.20" in ln for ln in text) == 1  # its median
+
+
+def test_the_bands_centre_is_the_forecast_at_the_drifts_median_not_at_the_middle_of_its_ends():
+    """A lopsided drift (median x1.0, ends x0.9 and x1.5): the centre is the recipe with every worker at x1.0,
+    the low end of a drift of x1.0 alone, not at the ends' mean (x1.2). A band without a centre (a summary.json
+    written before it) prints as before, without brackets."""
+    lopsided = Drift(factors=(0.9, 1.0, 1.0, 1.0, 1.0, 1.5, 1.5, 1.5), runs=2)
+    assert lopsided.median() == pytest.approx(1.0)
+    _, band = forecast(PROFILE.replace(drift=lopsided))
+    _, flat = forecast(PROFILE.replace(drift=Drift(factors=(1.0,) * 8, runs=2)))
+    assert band["mid"] == flat["lo"] == flat["mid"]
+    assert band["mid"]["pd"]["inf"]["ttft_p50"] < band["hi"]["pd"]["inf"]["ttft_p50"]
+    old = {k: v for k, v in band.items() if k != "mid"}
+    text = lines(old, parse_recipe(recipe(PROFILE.replace(drift=lopsided))))
+    (pd_inf,) = [ln for ln in text if ln.strip().startswith("pd @ inf req/s")]
+    assert "(" not in pd_inf
 
 
 def _band_of(medians: dict[str, float]) -> dict:
@@ -111,10 +127,10 @@ def _band_of(medians: dict[str, float]) -> dict:
 
 @pytest.mark.parametrize("median, note", [(1.2, "x1.20 its pace (the median of its drift): its point forecast is "
                                                 "likely fast (latencies low, attainment and throughput high); the "
-                                                "band's slow end"),
+                                                "band's centre (in brackets) is the forecast at that pace"),
                                           (0.7, "x0.70 its pace (the median of its drift): its point forecast is "
                                                 "likely slow (latencies high, attainment and throughput low); the "
-                                                "band's fast end"),
+                                                "band's centre (in brackets) is the forecast at that pace"),
                                           (1.1, "x1.10 its pace"), (0.9, "x0.90 its pace"),  # the boundary, both ways
                                           (1.0, None), (1.09, None), (0.91, None)])
 def test_a_drift_whose_median_is_off_the_profile_says_which_way_its_forecast_is_off(median, note):

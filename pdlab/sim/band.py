@@ -22,8 +22,8 @@ The centre: the point forecast steps every worker at the profile's own pace, the
 measured in; the drift's median is the pace the box's checked runs stepped at. Over six validations on the
 developers' Xeon (BENCHMARKS.md, 2026-12-07 fifth session; benchmarks/band_rescore.py) the centre, from the drift
 the profile had when each recipe was forecast (a calibration run's, then each scored recipe's runs), met 576 of 612
-figures where the point forecast met 553 (its worst validation 88 of 102 against 78; better in four, 3 figures
-worse in two), and from the calibration run's alone 563. Both are printed: the point forecast is the profile's,
+figures where the point forecast met 553 (the worst validation 88 of 102 where the point forecast's worst was 78;
+better in four validations, 3 figures worse in each of two), and from the calibration run's drift alone 563. Both are printed: the point forecast is the profile's,
 the centre what the runs checked with it say.
 """
 
@@ -112,7 +112,7 @@ def _off(band: dict, recipe: Recipe) -> list[str]:
         out.append(f"  note: the runs checked with profile {timing.name} stepped x{m:.2f} its pace (the median of its "
                    f"drift): its point forecast is likely {'fast' if slow else 'slow'} (latencies "
                    f"{'low' if slow else 'high'}, attainment and throughput {'high' if slow else 'low'}); the band's "
-                   f"{'slow' if slow else 'fast'} end says by how much, or measure the profile again (pdlab profile) "
+                   "centre (in brackets) is the forecast at that pace, or measure the profile again (pdlab profile) "
                    "if the box has changed")
     return out
 
@@ -134,8 +134,8 @@ def lines(band: Optional[dict], recipe: Recipe) -> list[str]:
     if band is None:
         return out
     out.insert(0, "forecast band (simulated, not measured): each variant again with every worker at the slow and "
-                  "the fast end of the box's drift against its profile, and in brackets at its median (the pace its "
-                  "checked runs stepped at), at the forecast's rates and SLO (" +
+                  "the fast end of the box's drift against its profile, and in brackets at the drift's median (the "
+                  "pace the runs checked with the profile stepped at), at the forecast's rates and SLO (" +
                "; ".join(f"{n}: {recipe.variants[n].model.timing.drift.describe()}" for n in band["variants"]) + ")")
     out += _off(band, recipe)
     lo, hi, centre = band["lo"], band["hi"], band.get("mid") or {}

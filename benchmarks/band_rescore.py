@@ -37,9 +37,9 @@ def main() -> int:
     from pdlab.sim.band import forecast_band
     from pdlab.sim.experiment import simulate_recipe
     from pdlab.timing.drift import merged, run_factors
-    from pdlab.timing.replay import compare, covered, figures, within
+    from pdlab.timing.replay import covered, figures, within
     from pdlab.workload import build_workload
-    from timing_validation import tally
+    from timing_validation import centre, tally
 
     path = os.path.join(args.out, "validation.json")
     if not os.path.isfile(path):
@@ -55,7 +55,8 @@ def main() -> int:
     drift, totals = calibration, {"calibration": {}, "accumulated": {}}
     centres: dict[str, list] = {"calibration": [], "accumulated": []}  # the centre's comparisons, recipe by recipe
     for i, name in enumerate(names):
-        real = load_run(os.path.join(args.out, f"{name}-real"))
+        scored_run = load_run(os.path.join(args.out, f"{name}-real"))
+        real = figures(scored_run.requests, scored_run.summary)
         raw = yaml.safe_load(open(os.path.join(args.out, f"{name}.yaml")))
         raw["model"] = {k: v for k, v in raw["model"].items() if k != "check_timing"}
         for which, d in (("calibration", calibration), ("accumulated", drift)):
@@ -64,12 +65,12 @@ def main() -> int:
             wl = {n: build_workload(v) for n, v in r.variants.items()}
             res = simulate_recipe(r, wl)
             band = forecast_band(res.recipe, res.slo, wl)
-            met = within(covered(figures(real.requests, real.summary), band) if band else [])
-            if band and band.get("mid"):
-                banded = {v: f for v, f in figures(real.requests, real.summary).items() if v in band["variants"]}
-                centres[which].append(compare(banded, band["mid"]))
+            met = within(covered(real, band) if band else [])
+            scored = centre(real, band)
+            if scored is not None:
+                centres[which].append(scored)
                 if i == 0:
-                    centres["accumulated"].append(centres[which][-1])
+                    centres["accumulated"].append(scored)
             for k, (a, b) in met.items():
                 t = totals[which].setdefault(k, [0, 0])
                 t[0], t[1] = t[0] + a, t[1] + b

@@ -225,6 +225,14 @@ def render(name: str, cmp: dict, check: str, paced: dict | None, again: dict | N
             print(f"    {line}")
 
 
+def centre(real: dict, band: dict | None) -> dict | None:
+    """The band's centre (pdlab.sim.band: every worker at the drift's median) against `real` (figures: variant ->
+    rate tag -> figure) as a forecast is scored (compare), for the variants the band has; None without one."""
+    if not band or not band.get("mid"):
+        return None
+    return compare({v: f for v, f in real.items() if v in band["variants"]}, band["mid"])
+
+
 def tally(rows: list[dict], recipes: list[dict]) -> dict:
     met = within(rows)
     return {"met": {k: {"within": a, "of": b} for k, (a, b) in met.items()},
@@ -371,9 +379,7 @@ def main() -> int:
         results["recipes"][name] = {"recipe": raw, "comparison": cmp, "check": check, "replay": paced,
                                     "again": again, "band": fb, "band_rows": band,
                                     "drift": (fb or {}).get("variants"),  # each variant's pace band, as forecast
-                                    # the band's centre (the drift's median) scored as a forecast is
-                                    "centre": compare({v: f for v, f in figures(real).items() if v in fb["variants"]},
-                                                      fb["mid"]) if fb and fb.get("mid") else None}
+                                    "centre": centre(figures(real), fb)}
         if args.calibrate:
             sim2 = os.path.join(args.out, f"{name}-sim-calibrated")
             run(py + ["run", path, "--simulate", "--set", f"model.timing={calibrated}", "--out", sim2],

@@ -24,8 +24,8 @@ developers' Xeon (BENCHMARKS.md, 2026-12-07 fifth session; benchmarks/band_resco
 the profile had when each recipe was forecast (a calibration run's, then each scored recipe's runs), met 576 of 612
 figures where the point forecast met 553 (the worst validation 88 of 102 where the point forecast's worst was 78;
 better in four validations, 3 figures worse in each of two), and from the calibration run's drift alone 563; a
-seventh, scored as it ran (timing_validation), met 85 against the point forecast's 87. Both are printed: the point forecast is the profile's,
-the centre what the runs checked with it say.
+seventh, scored as it ran (timing_validation), met 85 against the point forecast's 87. Both are printed: the point
+forecast is the profile's, the centre what the runs checked with it say.
 """
 
 from __future__ import annotations

@@ -6,10 +6,10 @@ one shape drifted from 13 to 21 ms within one benchmark, and a run's steps took 
 prediction while the profile fitted its own held-out steps with R² 0.98 (BENCHMARKS.md, issue 25). A profile
 measured before a run cannot predict that drift. What this gives is a figure to read beside the miss: the
 profile records its pace, every CPU worker times the same computation when it starts (its Ready message;
-env.json's `worker_pace_ms`, and `worker_memory_pace_ms` for the memory half), and `pdlab profile --check` shows the ratio of the two with the steps'
-measured / predicted. It is a snapshot at the workers' start, tens of milliseconds long, and the box drifts
-within a run: on the developers' box it matched the steps' ratio in some runs and not in others
-(BENCHMARKS.md), so it is shown, not used to correct anything.
+env.json's `worker_pace_ms`, and `worker_memory_pace_ms` for the memory half), and `pdlab profile --check`
+shows the ratio of the two with the steps' measured / predicted. It is a snapshot at the workers' start, tens of
+milliseconds long, and the box drifts within a run: on the developers' box it matched the steps' ratio in some
+runs and not in others (BENCHMARKS.md), so it is shown, not used to correct anything.
 
 The computation: a decode-sized GEMM (32 x 1024 -> 1024, float32) and a read of 32 MiB (more than a core's
 own caches, as a step's weights and KV), on the process's own threads; the median of PACE_REPS after a

@@ -146,11 +146,12 @@ class Harness:
         """Each variant's steps against the profile its recipe names (pdlab.timing.check), from the records."""
         # deferred: torch
         from pdlab.timing.check import run_facts
+        from pdlab.timing.pace import READ_MIB
 
         variants = {n: self.recipe.resolved(n) for n in self.recipe.variant_names}
         steps, requests = (read_jsonl(self.rd.file(f"{k}.jsonl")) for k in ("steps", "requests"))
         return run_facts(variants, steps, requests, self.kernels.by_variant, self.kernels.paces,
-                         self.kernels.memory_paces)
+                         self.kernels.memory_paces, READ_MIB)
 
     def _calibration_check(self) -> list[str]:
         """The calibration against the variants that ran on the same kind of worker (pdlab.measure.box)."""

@@ -14,6 +14,7 @@ from pdlab.constants import CPU_KERNEL_ENV, CPU_KERNELS, PACKED_LINEAR
 from pdlab.engine import cpu_kernel, kernel_check
 from pdlab.engine.kernel_check import Choice, Shape, cache_key, choose
 from pdlab.measure.kernels import KernelLog, describe, fell_back
+from pdlab.timing.pace import READ_MIB
 
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler here")
 SHAPE = Shape(heads=4, kv_heads=2, head_dim=16, hidden=48, intermediate=80)
@@ -162,6 +163,7 @@ def test_the_run_says_what_ran_and_warns_when_kernels_fell_back(tmp_path):
     log.record("paced", [W("prefill0", choices(), 2.5, 1.25), W("decode0", choices(), 2.25, 1.0)])
     assert rd.env["worker_pace_ms"] == {"paced": {"prefill0": 2.5, "decode0": 2.25}}
     assert rd.env["worker_memory_pace_ms"] == {"paced": {"prefill0": 1.25, "decode0": 1.0}}
+    assert rd.env["worker_pace_read_mib"] == READ_MIB
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from pdlab.timing.fit import (KINDS, TERMS, StepSample, by_kind, errors, fit_ste
                               split_by_case)
 from pdlab.timing import after_prefill
 from pdlab.timing.contention import AFTER_STEPS
+from pdlab.timing.pace import READ_MIB
 from pdlab.timing.host_probe import BURST, BURSTS, CHAINED, CO_REQUESTS, REQUESTS
 from pdlab.timing.measure import DECODE_LEAD, PRIMER_BLOCKS, Case, Limits, PoolSlices, Primer, design, run_case
 from pdlab.timing.process import MeasureError, job_for, measure
@@ -282,6 +283,7 @@ def test_steps_are_measured_in_a_process_set_up_as_a_worker(tiny):
     # the box's pace before and after the steps (pdlab.timing.pace), and its memory half apart
     assert len(res["pace_ms"]) == len(res["memory_pace_ms"]) == 2
     assert all(0 < m < t for t, m in zip(res["pace_ms"], res["memory_pace_ms"]))
+    assert res["pace_read_mib"] == READ_MIB  # what the memory half read, kept so that paces compare like with like
     assert len(res["steps"]) >= 20 and {k for k in res["case_kinds"]} == set(KINDS)
     after = res["after_prefill"]  # pdlab.timing.after_prefill, in the same process
     cases = len(after_prefill.CASES) * after_prefill.REPEATS
@@ -302,6 +304,7 @@ def test_profile_command_on_a_tiny_model(tmp_path, capsys):
     assert t.kv_bytes_per_token == 512  # 2 layers x K,V x 2 KV heads x 16 dims x 4 bytes
     assert t.kv_memory_gb > 0 and t.transfer_of("shm").gbps > 0
     assert 0 < t.memory_pace_ms < t.pace_ms  # the box's pace, and its memory half, while the steps ran
+    assert t.pace_read_mib == READ_MIB
     assert any(getattr(t.step, k) > 0 for k in TERMS)
     assert set(t.kernels) == {*CPU_KERNELS, PACKED_LINEAR}
     assert all("use" in c and "why" in c for c in t.kernels.values())

@@ -20,12 +20,13 @@ from pdlab.constants import PROFILE_CHECK_MAPE_PCT, PROFILE_PACE_MOVED
 from pdlab.engine import Engine, EngineConfig, SamplingParams
 from pdlab.engine.model import load_stand_in
 from pdlab.engine.timed import StepCounts, count_step
-from pdlab.recipe import TimingProfile, load_profile, parse_recipe
+from pdlab.recipe import RecipeError, TimingProfile, load_profile, parse_recipe
 from pdlab.recipe.timing import HostTiming, StepTiming
 from pdlab.sim.simulator import Simulator
 from pdlab.timing.build import fit_warnings, pace_warnings
 from pdlab.timing.check import CheckError, check_run, check_steps, lines, profile_for, samples
 from pdlab.timing.host import MIN_SAMPLES, admit_fit, host_raw, host_times
+from pdlab.timing.pace import OLD_READ_MIB, READ_MIB
 from pdlab.timing.provenance import differences, machine_warnings, worker_warning
 from pdlab.timing.write import profile_raw, write_profile
 from pdlab.workload import WorkloadRequest
@@ -72,14 +73,17 @@ def test_a_profile_with_the_new_terms_host_and_kernels_round_trips(tmp_path):
                       transfer={"shm": {"gbps": 10.0}}, device_kind="cpu",
                       host={"gap_ms": 0.5, "hop_ms": 1.25, "handoff_ms": 2.0},
                       kernels={"rms_norm": {"use": False, "why": "slower here"}}, pace_ms=21.5,
-                      memory_pace_ms=11.25)
+                      memory_pace_ms=11.25, pace_read_mib=READ_MIB)
     t = load_profile(write_profile(str(tmp_path / "p.yaml"), raw))
-    assert t.pace_ms == 21.5 and t.memory_pace_ms == 11.25
+    assert t.pace_ms == 21.5 and t.memory_pace_ms == 11.25 and t.pace_read_mib == READ_MIB
     assert t.step == STEP and t.host == HostTiming(0.5, 1.25, 2.0) and t.device_kind == "cpu"
     assert t.kernels == {"rms_norm": {"use": False, "why": "slower here"}}
     assert TimingProfile.from_raw(t.to_raw(), "again") == t
     old = load_profile("cpu-demo-2core")  # written before them: no host time, no kernels
     assert old.host == HostTiming() and old.kernels is None and old.step.chunk_ms == 0
+    assert old.pace_read_mib is None  # nor the pace's read (pdlab.timing.pace.OLD_READ_MIB, where it has a pace)
+    with pytest.raises(RecipeError, match="pace_read_mib"):
+        TimingProfile.from_raw({**t.to_raw(), "pace_read_mib": 0}, "p")
 
 
 # ---- the check ----
@@ -232,6 +236,32 @@ def test_the_box_pace_stands_beside_the_steps_and_in_their_warnings():
     assert "pace" not in lines(check_run(vs, slow, [], profile=t))[0][0]
 
 
+def test_paces_of_reads_of_different_sizes_are_not_set_side_by_side():
+    """A profile whose pace timed the old 32 MiB read (no pace_read_mib) against a run whose workers timed
+    READ_MIB: no ratio (the two computations differ, an L3 read against a DRAM one), and the line says why. The
+    same read on both sides (the profile's field and the run's env.json) gives the ratio; a run from before
+    env.json kept the read beside a profile that keeps it is the mismatch the other way."""
+    assert READ_MIB != OLD_READ_MIB
+    vs = recipe_variants({"v": {}})
+    slow = steps_of({"prefill": 1.5, "decode": 1.5, "mixed": 1.5})
+    old, new = (TimingProfile(name="box", step=STEP, pace_ms=20.0, memory_pace_ms=10.0, pace_read_mib=mib)
+                for mib in (None, READ_MIB))
+    kw = dict(paces={"v": {"unified0": 21.0}}, memory_paces={"v": {"unified0": 14.0}})
+    for profile, run_mib in ((old, READ_MIB), (new, None)):
+        res = check_run(vs, slow, [], profile=profile, pace_read_mib=run_mib, **kw)
+        assert res["v"]["pace"] is None and res["v"]["memory_pace"] is None
+        assert res["v"]["pace_other"] == (f"the profile's pace read {profile.pace_read_mib or OLD_READ_MIB} MiB, the "
+                                          f"run's workers' {run_mib or OLD_READ_MIB} MiB: not set side by side "
+                                          "(pdlab.timing.pace)")
+        out, warn = lines(res)
+        assert res["v"]["pace_other"] in out[0] and "the box's pace x" not in out[0]
+        assert not any("pace at their start" in w for w in warn)
+    same = check_run(vs, slow, [], profile=new, pace_read_mib=READ_MIB, **kw)["v"]
+    assert same["pace"] == pytest.approx(1.05) and same["memory_pace"] == pytest.approx(1.4)
+    assert same["pace_other"] is None
+    assert check_run(vs, slow, [], profile=new, pace_read_mib=READ_MIB)["v"]["pace_other"] is None  # no paces
+
+
 def test_the_memory_half_of_the_pace_stands_apart_where_it_moved_apart():
     """The whole computation took x1.05 the profile's at the workers' start, its memory half (the 32 MiB read)
     x1.4: the line gives both, and the warnings name the memory half alone (the whole within PACE_DRIFT). Both
@@ -316,7 +346,7 @@ def test_a_profile_warns_when_the_memory_half_of_the_pace_moved_alone():
     follow) moved x1.30: a warning naming the half and the terms it carries; both held, nothing; the whole moved,
     one warning with both figures."""
     (w,) = pace_warnings([2.0, 2.1], [1.0, 1.3])
-    assert "memory half of the box's pace (a 32 MiB read) moved from 1 to 1.3 ms (x1.30; the whole x1.05)" in w
+    assert f"memory half of the box's pace (a {READ_MIB} MiB read) moved from 1 to 1.3 ms (x1.30; the whole x1.05)" in w
     assert "context_token_ms" in w and "--write-drift" in w
     (faster,) = pace_warnings([2.0, 1.9], [1.2, 0.9])  # the half sped up: as much a change of speed
     assert "from 1.2 to 0.9 ms (x0.75; the whole x0.95)" in faster

@@ -187,7 +187,8 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
     variants = {n: recipe.resolved(n) for n in recipe.variant_names}
     try:
         checks = check_run(variants, run.steps, run.requests, given, run.env.get("cpu_kernels"),
-                           run.env.get("worker_pace_ms"), run.env.get("worker_memory_pace_ms"))
+                           run.env.get("worker_pace_ms"), run.env.get("worker_memory_pace_ms"),
+                           run.env.get("worker_pace_read_mib"))
     except CheckError as e:
         return _err(f"{run_dir}: {e}")
     if not checks:

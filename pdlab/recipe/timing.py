@@ -29,7 +29,8 @@ A profile file is YAML, readable without pdlab: `name`, `source` (measured | ana
 may use on the modelled device), `transfer` ({transport: {gbps, latency_ms}}), `host` (a worker's own time
 between steps and the message hops: the simulator adds them), and, when measured, `kernels` (the CPU kernels
 the measured steps ran, pdlab.engine.kernel_check), `pace_ms` (the box's pace then, pdlab.timing.pace),
-`memory_pace_ms` (its memory half) and `fit` (how well the step model fits held-out steps); once checked against
+`memory_pace_ms` (its memory half), `pace_read_mib` (the MiB that half read) and `fit` (how well the step model
+fits held-out steps); once checked against
 runs, `drift` (the box's pace against the profile in them, pdlab.timing.drift: a simulation's band,
 pdlab.sim.band).
 """
@@ -328,6 +329,9 @@ class TimingProfile(Section):
     # its memory half (pdlab.timing.pace.Pace.memory_ms), which drifts apart from the rest on a shared box
     memory_pace_ms: Optional[float] = spec(None, "a number > 0 (ms of pdlab.timing.pace's memory half)",
                                            optional(to_float(0.0)))
+    # the memory half's read in MiB (pdlab.timing.pace.READ_MIB); absent in profiles from before it was kept (32)
+    pace_read_mib: Optional[int] = spec(None, "an integer > 0 (MiB that pdlab.timing.pace's memory half read)",
+                                        optional(to_int(1)))
 
     def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, prefill_pairs: int = 0,
                chunks: int = 0, fresh_pairs: int = 0, resumed_pairs: int = 0, resumed_context: int = 0) -> float:

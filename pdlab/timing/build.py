@@ -14,6 +14,7 @@ from pdlab.engine.timed import StepCounts
 from pdlab.timing import fit as F
 from pdlab.timing.contention import SPREADS, after_prefill_fit, contention_raw, describe, estimate
 from pdlab.timing.host import host_raw
+from pdlab.timing.pace import READ_MIB
 from pdlab.timing.write import profile_raw
 
 BUSY_SHARE = 0.9  # a measuring process with less of its core than this: the box was busy
@@ -129,7 +130,8 @@ def build_profile(res: dict, *, model: str, device: str, dtype: str, steps: int,
                       kv_memory_gb=res["kv_memory_gb"], transfer=usable, fit=fit,
                       device_kind="cuda" if cuda else "cpu", host=host_raw(host) if host else None,
                       kernels=res["kernels"] or None, pace_ms=_mean(res.get("pace_ms")),
-                      memory_pace_ms=_mean(res.get("memory_pace_ms")), contention=contention)
+                      memory_pace_ms=_mean(res.get("memory_pace_ms")), pace_read_mib=res.get("pace_read_mib"),
+                      contention=contention)
     report = [f"measured {len(ss)} steps in {res['measured_s']:.1f} s ({len(train)} to fit, {len(test)} held out)",
               format_step(coef), format_errors("held-out error", held)]
     report += [format_errors(f"  {k}", kinds[k]) for k in F.KINDS]
@@ -211,7 +213,7 @@ def pace_warnings(paces: Optional[list[float]], memory: Optional[list[float]] = 
                 + (f"; its memory half x{m:.2f}" if m is not None else "") + ") while the steps were measured: the "
                 "box changed speed under the profile")
     elif moved_far(m):
-        what = (f"the memory half of the box's pace (a 32 MiB read) moved from {memory[0]:.3g} to {memory[-1]:.3g} ms "
+        what = (f"the memory half of the box's pace (a {READ_MIB} MiB read) moved from {memory[0]:.3g} to {memory[-1]:.3g} ms "
                 f"(x{m:.2f}" + (f"; the whole x{x:.2f}" if x is not None else "") + ") while the steps were "
                 "measured: the step model's term for reading KV (context_token_ms) carries both speeds")
     else:

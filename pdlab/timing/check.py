@@ -68,7 +68,8 @@ def profile_for(name: str, variants: dict[str, Any]) -> Optional[tuple[Any, str]
 
 def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
               profile: Optional[Any] = None, kernels: Optional[dict[str, dict]] = None,
-              paces: Optional[dict[str, dict]] = None, memory_paces: Optional[dict[str, dict]] = None) -> dict:
+              paces: Optional[dict[str, dict]] = None, memory_paces: Optional[dict[str, dict]] = None,
+              pace_read_mib: Optional[int] = None) -> dict:
     """variant -> {profile, by, modelled, other_model, steps, overall, kinds, host, profile_host, contention,
     profile_contention, kernels, pace, memory_pace} for every
     variant with a profile to check (`profile` given: that one for every variant) and steps to check it on.
@@ -76,11 +77,13 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
     a warning when they are not the profile's (pdlab.timing.provenance), else None. `paces`: variant -> worker
     -> the box's pace at its start (env.json's worker_pace_ms); `pace` in the result is the median of its
     workers' over the profile's (pdlab.timing.pace.ratio), None where either is missing; `memory_paces` and
-    `memory_pace` the same of its memory half (env.json's worker_memory_pace_ms). `contention`: the
+    `memory_pace` the same of its memory half (env.json's worker_memory_pace_ms); both None where the run's
+    workers and the profile timed reads of different sizes (`pace_read_mib`: the run's, env.json's
+    worker_pace_read_mib; pdlab.timing.pace.same_read), and `pace_other` then says so. `contention`: the
     run's own (pdlab.timing.contention; None for timed workers, which wait the model out). `other_model`: how the
     model the variant ran differs from the profile's (other_model), None where it does not or the workers were
     timed."""
-    from pdlab.timing.pace import ratio
+    from pdlab.timing.pace import OLD_READ_MIB, ratio, same_read
     from pdlab.timing.provenance import worker_warning
 
     out = {}
@@ -95,6 +98,7 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
             continue
         reqs = [r for r in requests if r.get("variant") == name]
         host = host_times(mine, reqs)
+        paced = not v.model.modelled and same_read(p.pace_read_mib, pace_read_mib)
         out[name] = {"profile": p.name, "by": by, "modelled": v.model.modelled, **res, "host": host,
                      "other_model": None if v.model.modelled else other_model(p, v.model),
                      "cpu_share": cpu_shares(mine),
@@ -102,10 +106,12 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
                      "contention": None if v.model.modelled else run_contention(p, v, mine, reqs),
                      "profile_contention": p.contention.to_raw(),
                      "kernels": worker_warning(name, p, (kernels or {}).get(name) or {}),
-                     "pace": None if v.model.modelled else ratio(list(((paces or {}).get(name) or {}).values()),
-                                                                  p.pace_ms),
-                     "memory_pace": None if v.model.modelled else ratio(
-                         list(((memory_paces or {}).get(name) or {}).values()), p.memory_pace_ms)}
+                     "pace": ratio(list(((paces or {}).get(name) or {}).values()), p.pace_ms) if paced else None,
+                     "memory_pace": ratio(list(((memory_paces or {}).get(name) or {}).values()), p.memory_pace_ms)
+                     if paced else None,
+                     "pace_other": None if paced or v.model.modelled or not p.pace_ms or not (paces or {}).get(name)
+                     else f"the profile's pace read {p.pace_read_mib or OLD_READ_MIB} MiB, the run's workers' "
+                          f"{pace_read_mib or OLD_READ_MIB} MiB: not set side by side (pdlab.timing.pace)"}
     return out
 
 
@@ -217,6 +223,7 @@ def lines(checks: dict) -> tuple[list[str], list[str]]:
                    (f"; the box's pace x{pace:.2f} the profile's" + (f", its memory half x{memory:.2f}"
                                                                     if memory is not None else "") +
                     " (a fixed computation timed at each worker's start)" if pace is not None else "") +
+                   (f"; {c['pace_other']}" if c.get("pace_other") else "") +
                    ("; own CPU " + ", ".join(f"{w} {x:.2f}" for w, x in c["cpu_share"].items()) +
                     " of their steps' time (the rest: other processes on their cores)" if c.get("cpu_share") else ""))
         for k, e in c["kinds"].items():
@@ -257,12 +264,14 @@ def _ms(x: Optional[float]) -> str:
 def run_facts(variants: dict[str, Any], steps: list[dict], requests: list[dict],
               kernels: Optional[dict[str, dict]] = None,
               paces: Optional[dict[str, dict]] = None,
-              memory_paces: Optional[dict[str, dict]] = None) -> tuple[dict, list[str]]:
+              memory_paces: Optional[dict[str, dict]] = None,
+              pace_read_mib: Optional[int] = None) -> tuple[dict, list[str]]:
     """What a run's summary says of its profiles: ({variants: check_run's result, lines}, warnings): the check
     of every variant whose recipe names a profile, and the profile's provenance for timed variants (measured
     on another CPU, with other kernels than this machine chooses: pdlab.timing.provenance)."""
     try:
-        checks = check_run(variants, steps, requests, kernels=kernels, paces=paces, memory_paces=memory_paces)
+        checks = check_run(variants, steps, requests, kernels=kernels, paces=paces, memory_paces=memory_paces,
+                           pace_read_mib=pace_read_mib)
     except CheckError as e:
         return {"variants": {}, "lines": [], "error": str(e)}, [f"profile check: {e}"]
     out, warn = lines(checks)

@@ -7,21 +7,27 @@ prediction while the profile fitted its own held-out steps with R² 0.98 (BENCHM
 measured before a run cannot predict that drift. What this gives is a figure to read beside the miss: the
 profile records its pace, every CPU worker times the same computation when it starts (its Ready message;
 env.json's `worker_pace_ms`, and `worker_memory_pace_ms` for the memory half), and `pdlab profile --check`
-shows the ratio of the two with the steps' measured / predicted. It is a snapshot at the workers' start, tens of
-milliseconds long, and the box drifts within a run: on the developers' box it matched the steps' ratio in some
+shows the ratio of the two with the steps' measured / predicted. It is a snapshot at the workers' start, a tenth
+of a second long, and the box drifts within a run: on the developers' box it matched the steps' ratio in some
 runs and not in others (BENCHMARKS.md), so it is shown, not used to correct anything.
 
-The computation: a decode-sized GEMM (32 x 1024 -> 1024, float32) and a read of 32 MiB (more than a core's
-own caches, as a step's weights and KV), on the process's own threads; the median of PACE_REPS after a
-warm-up, a few tens of milliseconds. It is a CPU figure: a GPU worker's steps do not follow it, and only CPU
-paces are taken.
+The computation: a decode-sized GEMM (32 x 1024 -> 1024, float32) and a read of READ_MIB (beyond what a core
+gets of the last-level cache, as a step's weights and KV are), on the process's own threads; the median of
+PACE_REPS after a warm-up, about a tenth of a second. It is a CPU figure: a GPU worker's steps do not follow it,
+and only CPU paces are taken.
 
 The two halves are timed apart as well (`Pace.compute_ms`, `Pace.memory_ms`), since they drift apart: on the
 developers' 2-core Xeon a small decode step (mostly fixed and GEMM time) ranged x1.97 over 170 s while one over
-32,000 context tokens (mostly KV reads) ranged x1.46, their ratio 2.0-3.7, and a profile's context_token_ms read
-0.219 us a token where one 30 minutes later read 0.270 while the combined pace held within 4% (BENCHMARKS.md,
-2026-12-07). The memory half is what the KV reads of a long-context step follow; `pdlab profile --check` shows
-both ratios, and `pdlab profile` warns when either moved while it measured.
+32,000 context tokens (mostly KV reads) ranged x1.46, their ratio 2.0-3.7 (BENCHMARKS.md, 2026-12-07).
+`pdlab profile --check` shows both ratios, and `pdlab profile` warns when either moved while it measured.
+
+Why READ_MIB is 128 and not 32, as it was until 2026-12-07 (sixth session): the Xeon's 32 MiB read ran from its
+L3 (19 GiB/s) and did not follow the steps; 128 MiB and more ran at DRAM speed (11 GiB/s), as the steps' reads
+do. Sampled every 1.6 s for 14 minutes in one pinned process beside decode steps of two models (cpu-demo and a
+51.6M-parameter Llama shape, short and long contexts), over 16-second windows: the 32 MiB read's correlation
+with the steps' time was 0.20-0.35, the 128, 256 and 512 MiB reads' 0.82-0.90, the GEMM's 0.78-0.85; as a
+predictor of the next minute's steps the 32 MiB read more than doubled their spread (BENCHMARKS.md). A profile
+or run that timed the old read says so (`pace_read_mib` absent) and its pace is not set beside a new one.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ from typing import Optional
 
 PACE_REPS = 9
 GEMM = (32, 1024, 1024)  # rows, in, out
-READ_FLOATS = 8 << 20  # 32 MiB of float32
+READ_MIB = 128  # the memory half's read (the docstring: why not 32)
+OLD_READ_MIB = 32  # what profiles and runs timed before they kept `pace_read_mib`
+READ_FLOATS = READ_MIB << 18  # float32
 
 
 @dataclass(frozen=True)
@@ -41,7 +49,7 @@ class Pace:
     """The fixed computation's two halves, each the median of PACE_REPS timings in ms."""
 
     compute_ms: float  # the GEMM (its operands fit a core's caches)
-    memory_ms: float  # the 32 MiB read
+    memory_ms: float  # the READ_MIB read
 
     @property
     def total_ms(self) -> float:
@@ -71,6 +79,12 @@ def measure() -> Pace:
                 f()
                 ts.append(time.perf_counter() - t)
     return Pace(statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3)
+
+
+def same_read(profile_mib: Optional[int], run_mib: Optional[int]) -> bool:
+    """Whether a profile's pace and a run's workers' timed the same read (None: before either kept it, OLD_READ_MIB),
+    so that one can be set beside the other."""
+    return (profile_mib or OLD_READ_MIB) == (run_mib or OLD_READ_MIB)
 
 
 def ratio(run_ms: Optional[list[float]], profile_ms: Optional[float]) -> Optional[float]:

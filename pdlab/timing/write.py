@@ -35,7 +35,7 @@ def profile_raw(*, name: str, source: str, device: str, date: str, model: str, s
                 kv_bytes_per_token: int, kv_memory_gb: Optional[float], transfer: dict[str, dict],
                 fit: Optional[dict] = None, device_kind: str = "", host: Optional[dict] = None,
                 kernels: Optional[dict] = None, pace_ms: Optional[float] = None,
-                memory_pace_ms: Optional[float] = None,
+                memory_pace_ms: Optional[float] = None, pace_read_mib: Optional[int] = None,
                 contention: Optional[dict] = None) -> dict:
     """The profile's plain form, in the order a reader wants it (TimingProfile's keys, and the format mark)."""
     raw: dict[str, Any] = {"pdlab_timing_profile": FORMAT_VERSION, "name": name, "source": source,
@@ -58,6 +58,8 @@ def profile_raw(*, name: str, source: str, device: str, date: str, model: str, s
         raw["pace_ms"] = sig(float(pace_ms))
     if memory_pace_ms:
         raw["memory_pace_ms"] = sig(float(memory_pace_ms))
+    if pace_ms and pace_read_mib:
+        raw["pace_read_mib"] = int(pace_read_mib)
     if fit is not None:
         raw["fit"] = sig(fit)
     return raw

@@ -32,6 +32,7 @@ from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.recipe.recipe import relative_rate
 from pdlab.serve import topology
 from pdlab.serve.launch import start_mode
+from pdlab.timing.pace import READ_MIB
 from pdlab.workload import Workload, WorkloadRequest, build_requests, trace_facts
 
 LEAD_S = 0.05  # the first arrival is this far after the rate starts, so nothing is late by construction
@@ -146,7 +147,6 @@ class Harness:
         """Each variant's steps against the profile its recipe names (pdlab.timing.check), from the records."""
         # deferred: torch
         from pdlab.timing.check import run_facts
-        from pdlab.timing.pace import READ_MIB
 
         variants = {n: self.recipe.resolved(n) for n in self.recipe.variant_names}
         steps, requests = (read_jsonl(self.rd.file(f"{k}.jsonl")) for k in ("steps", "requests"))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from pdlab.timing.pace import READ_MIB  # what the workers' memory half read (the same code as this)
+
 FELL_BACK = ("not built", "off")  # a Choice's `why` that means the kernel could not run at all
 
 
@@ -68,7 +70,6 @@ class KernelLog:
         self.rd.update_env(cpu_kernels=self.by_variant)
         paces = {w.name: float(w.pace_ms) for w in workers if getattr(w, "pace_ms", None)}
         if paces:
-            from pdlab.timing.pace import READ_MIB  # what the workers' memory half read (same code as this)
 
             self.paces[variant] = paces
             self.rd.update_env(worker_pace_ms=self.paces, worker_pace_read_mib=READ_MIB)

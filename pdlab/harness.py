@@ -32,7 +32,6 @@ from pdlab.recipe import SLO, Deployment, Recipe, Variant
 from pdlab.recipe.recipe import relative_rate
 from pdlab.serve import topology
 from pdlab.serve.launch import start_mode
-from pdlab.timing.pace import READ_MIB
 from pdlab.workload import Workload, WorkloadRequest, build_requests, trace_facts
 
 LEAD_S = 0.05  # the first arrival is this far after the rate starts, so nothing is late by construction
@@ -151,7 +150,7 @@ class Harness:
         variants = {n: self.recipe.resolved(n) for n in self.recipe.variant_names}
         steps, requests = (read_jsonl(self.rd.file(f"{k}.jsonl")) for k in ("steps", "requests"))
         return run_facts(variants, steps, requests, self.kernels.by_variant, self.kernels.paces,
-                         self.kernels.memory_paces, READ_MIB)
+                         self.kernels.memory_paces)
 
     def _calibration_check(self) -> list[str]:
         """The calibration against the variants that ran on the same kind of worker (pdlab.measure.box)."""

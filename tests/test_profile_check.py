@@ -24,7 +24,7 @@ from pdlab.recipe import RecipeError, TimingProfile, load_profile, parse_recipe
 from pdlab.recipe.timing import HostTiming, StepTiming
 from pdlab.sim.simulator import Simulator
 from pdlab.timing.build import fit_warnings, pace_warnings
-from pdlab.timing.check import CheckError, check_run, check_steps, lines, profile_for, samples
+from pdlab.timing.check import CheckError, check_run, check_steps, lines, profile_for, run_facts, samples
 from pdlab.timing.host import MIN_SAMPLES, admit_fit, host_raw, host_times
 from pdlab.timing.pace import OLD_READ_MIB, READ_MIB
 from pdlab.timing.provenance import differences, machine_warnings, worker_warning
@@ -262,8 +262,53 @@ def test_paces_of_reads_of_different_sizes_are_not_set_side_by_side():
     assert check_run(vs, slow, [], profile=new, pace_read_mib=READ_MIB)["v"]["pace_other"] is None  # no paces
 
 
+def test_a_profile_written_with_a_pace_keeps_its_read_and_one_without_has_none():
+    """profile_raw: a pace measured now keeps the read it timed (READ_MIB unless another is named); a profile
+    with no pace (a GPU's) keeps no read either."""
+    kw = dict(name="p", source="measured", device="a CPU", date="2026-12-07", model="tiny-llama", step=STEP.to_raw(),
+              kv_bytes_per_token=512, kv_memory_gb=1.0, transfer={"shm": {"gbps": 10.0}})
+    assert profile_raw(**kw, pace_ms=10.0)["pace_read_mib"] == READ_MIB
+    assert profile_raw(**kw, pace_ms=10.0, pace_read_mib=OLD_READ_MIB)["pace_read_mib"] == OLD_READ_MIB
+    assert "pace_read_mib" not in profile_raw(**kw) and "pace_read_mib" not in profile_raw(**kw, pace_read_mib=64)
+
+
+def test_a_run_that_just_ended_compares_its_paces_with_a_profile_of_the_same_read(tmp_path, capsys):
+    """The check at a run's end (run_facts) is of workers that timed this code's read: a profile that keeps
+    READ_MIB gets the ratio, one from before (none kept) the note. `pdlab profile --check RUN_DIR` reads the
+    run's read from its env.json: none there (a run from before) against a READ_MIB profile is the note; the
+    same read, the ratio."""
+    from pdlab.commands.profile import check
+
+    slow = steps_of({"prefill": 1.5, "decode": 1.5, "mixed": 1.5})
+    kw = dict(kernels=None, paces={"v": {"unified0": 21.0}}, memory_paces={"v": {"unified0": 14.0}})
+    new = dict(name="box", source="measured", device="a CPU", date="2026-12-07", model="tiny-llama",
+               step=STEP.to_raw(), kv_bytes_per_token=512, kv_memory_gb=1.0, transfer={"shm": {"gbps": 10.0}},
+               pace_ms=20.0, memory_pace_ms=10.0)
+    for raw, ratio in ((new, 1.05), ({**new, "pace_read_mib": OLD_READ_MIB}, None)):
+        path = write_profile(str(tmp_path / "p.yaml"), profile_raw(**raw))
+        assert load_profile(path).pace_read_mib == raw.get("pace_read_mib", READ_MIB)
+        got = run_facts(recipe_variants({"v": {"model": {"check_timing": path}}}), slow, [], **kw)[0]["variants"]["v"]
+        assert (got["pace"] == pytest.approx(ratio)) if ratio else got["pace"] is None
+        assert (got["pace_other"] is None) == (ratio is not None)
+    run = tmp_path / "run"
+    run.mkdir()
+    path = write_profile(str(tmp_path / "new.yaml"), profile_raw(**new))
+    (run / "recipe.yaml").write_text(yaml.safe_dump({
+        "model": {"preset": "tiny-llama"}, "rates": [1], "slo": {"ttft_ms": 1000, "itl_ms": 50},
+        "workload": {"requests": 2, "input_len": {"kind": "fixed", "value": 10},
+                     "output_len": {"kind": "fixed", "value": 2}},
+        "deployment": {"unified": {"devices": ["cpu:0"]}}, "variants": {"v": {}}}))
+    (run / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in slow))
+    env = {"worker_pace_ms": {"v": {"unified0": 21.0}}, "worker_memory_pace_ms": {"v": {"unified0": 14.0}}}
+    for read, said in ((None, "the profile's pace read %d MiB, the run's workers' %d MiB" % (READ_MIB, OLD_READ_MIB)),
+                       (READ_MIB, "the box's pace x1.05 the profile's, its memory half x1.40")):
+        (run / "env.json").write_text(json.dumps({**env, **({"worker_pace_read_mib": read} if read else {})}))
+        assert check(str(run), profile=path) == 0
+        assert said in capsys.readouterr().out
+
+
 def test_the_memory_half_of_the_pace_stands_apart_where_it_moved_apart():
-    """The whole computation took x1.05 the profile's at the workers' start, its memory half (the 32 MiB read)
+    """The whole computation took x1.05 the profile's at the workers' start, its memory half (the read)
     x1.4: the line gives both, and the warnings name the memory half alone (the whole within PACE_DRIFT). Both
     moved: the warnings give the whole and the half. An older profile without the half, or a run whose env.json
     has none, says nothing of it."""

@@ -70,7 +70,6 @@ class KernelLog:
         self.rd.update_env(cpu_kernels=self.by_variant)
         paces = {w.name: float(w.pace_ms) for w in workers if getattr(w, "pace_ms", None)}
         if paces:
-
             self.paces[variant] = paces
             self.rd.update_env(worker_pace_ms=self.paces, worker_pace_read_mib=READ_MIB)
         memory = {w.name: float(w.memory_pace_ms) for w in workers if getattr(w, "memory_pace_ms", None)}

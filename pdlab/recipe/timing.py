@@ -329,7 +329,8 @@ class TimingProfile(Section):
     # its memory half (pdlab.timing.pace.Pace.memory_ms), which drifts apart from the rest on a shared box
     memory_pace_ms: Optional[float] = spec(None, "a number > 0 (ms of pdlab.timing.pace's memory half)",
                                            optional(to_float(0.0)))
-    # the memory half's read in MiB (pdlab.timing.pace.READ_MIB); absent in profiles from before it was kept (32)
+    # the memory half's read in MiB (pdlab.timing.pace.READ_MIB); absent in profiles from before it was kept
+    # (pdlab.timing.pace.OLD_READ_MIB)
     pace_read_mib: Optional[int] = spec(None, "an integer > 0 (MiB that pdlab.timing.pace's memory half read)",
                                         optional(to_int(1)))
 

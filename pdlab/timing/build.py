@@ -213,7 +213,8 @@ def pace_warnings(paces: Optional[list[float]], memory: Optional[list[float]] = 
                 + (f"; its memory half x{m:.2f}" if m is not None else "") + ") while the steps were measured: the "
                 "box changed speed under the profile")
     elif moved_far(m):
-        what = (f"the memory half of the box's pace (a {READ_MIB} MiB read) moved from {memory[0]:.3g} to {memory[-1]:.3g} ms "
+        what = (f"the memory half of the box's pace (a {READ_MIB} MiB read) moved from {memory[0]:.3g} to "
+                f"{memory[-1]:.3g} ms "
                 f"(x{m:.2f}" + (f"; the whole x{x:.2f}" if x is not None else "") + ") while the steps were "
                 "measured: the step model's term for reading KV (context_token_ms) carries both speeds")
     else:

@@ -22,6 +22,7 @@ from pdlab.engine.model import PRESETS
 from pdlab.timing.contention import SPREADS, contention_raw, estimate, tail
 from pdlab.timing.fit import KINDS, StepSample, errors, predict
 from pdlab.timing.host import FIGURES, host_times
+from pdlab.timing.pace import READ_MIB
 from pdlab.timing.records import CheckError, samples  # noqa: F401 - CheckError: its callers catch it from here
 
 
@@ -71,7 +72,7 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
               paces: Optional[dict[str, dict]] = None, memory_paces: Optional[dict[str, dict]] = None,
               pace_read_mib: Optional[int] = None) -> dict:
     """variant -> {profile, by, modelled, other_model, steps, overall, kinds, host, profile_host, contention,
-    profile_contention, kernels, pace, memory_pace} for every
+    profile_contention, kernels, pace, memory_pace, pace_other, cpu_share} for every
     variant with a profile to check (`profile` given: that one for every variant) and steps to check it on.
     `kernels`: variant -> worker -> the CPU kernels it ran (env.json's cpu_kernels); `kernels` in the result is
     a warning when they are not the profile's (pdlab.timing.provenance), else None. `paces`: variant -> worker
@@ -264,14 +265,14 @@ def _ms(x: Optional[float]) -> str:
 def run_facts(variants: dict[str, Any], steps: list[dict], requests: list[dict],
               kernels: Optional[dict[str, dict]] = None,
               paces: Optional[dict[str, dict]] = None,
-              memory_paces: Optional[dict[str, dict]] = None,
-              pace_read_mib: Optional[int] = None) -> tuple[dict, list[str]]:
+              memory_paces: Optional[dict[str, dict]] = None) -> tuple[dict, list[str]]:
     """What a run's summary says of its profiles: ({variants: check_run's result, lines}, warnings): the check
     of every variant whose recipe names a profile, and the profile's provenance for timed variants (measured
-    on another CPU, with other kernels than this machine chooses: pdlab.timing.provenance)."""
+    on another CPU, with other kernels than this machine chooses: pdlab.timing.provenance). For the run that
+    just ended, whose workers timed this code's pace (pdlab.timing.pace.READ_MIB)."""
     try:
         checks = check_run(variants, steps, requests, kernels=kernels, paces=paces, memory_paces=memory_paces,
-                           pace_read_mib=pace_read_mib)
+                           pace_read_mib=READ_MIB)  # the run that just ended: its workers ran this code
     except CheckError as e:
         return {"variants": {}, "lines": [], "error": str(e)}, [f"profile check: {e}"]
     out, warn = lines(checks)

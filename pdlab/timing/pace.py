@@ -11,7 +11,7 @@ shows the ratio of the two with the steps' measured / predicted. It is a snapsho
 of a second long, and the box drifts within a run: on the developers' box it matched the steps' ratio in some
 runs and not in others (BENCHMARKS.md), so it is shown, not used to correct anything.
 
-The computation: a decode-sized GEMM (32 x 1024 -> 1024, float32) and a read of READ_MIB (beyond what a core
+The computation: a decode-sized GEMM (32 x 1024 -> 1024, float32) and a read of READ_MIB MiB (beyond what a core
 gets of the last-level cache, as a step's weights and KV are), on the process's own threads; the median of
 PACE_REPS after a warm-up, about a tenth of a second. It is a CPU figure: a GPU worker's steps do not follow it,
 and only CPU paces are taken.

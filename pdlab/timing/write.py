@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import yaml
 
+from pdlab.timing.pace import READ_MIB
+
 FORMAT_VERSION = 1  # the `pdlab_timing_profile` key: which layout of the file this is
 
 
@@ -58,8 +60,8 @@ def profile_raw(*, name: str, source: str, device: str, date: str, model: str, s
         raw["pace_ms"] = sig(float(pace_ms))
     if memory_pace_ms:
         raw["memory_pace_ms"] = sig(float(memory_pace_ms))
-    if pace_ms and pace_read_mib:
-        raw["pace_read_mib"] = int(pace_read_mib)
+    if pace_ms:  # a pace measured now: its read is this code's unless said
+        raw["pace_read_mib"] = int(pace_read_mib or READ_MIB)
     if fit is not None:
         raw["fit"] = sig(fit)
     return raw

@@ -214,9 +214,8 @@ def pace_warnings(paces: Optional[list[float]], memory: Optional[list[float]] = 
                 "box changed speed under the profile")
     elif moved_far(m):
         what = (f"the memory half of the box's pace (a {READ_MIB} MiB read) moved from {memory[0]:.3g} to "
-                f"{memory[-1]:.3g} ms "
-                f"(x{m:.2f}" + (f"; the whole x{x:.2f}" if x is not None else "") + ") while the steps were "
-                "measured: the step model's term for reading KV (context_token_ms) carries both speeds")
+                f"{memory[-1]:.3g} ms (x{m:.2f}" + (f"; the whole x{x:.2f}" if x is not None else "") + ") while the "
+                "steps were measured: the step model's term for reading KV (context_token_ms) carries both speeds")
     else:
         return []
     return [f"{what}, and its runs will move too. Measure again when the box is quiet (see `uptime`, and other VMs' "

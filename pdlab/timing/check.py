@@ -22,7 +22,7 @@ from pdlab.engine.model import PRESETS
 from pdlab.timing.contention import SPREADS, contention_raw, estimate, tail
 from pdlab.timing.fit import KINDS, StepSample, errors, predict
 from pdlab.timing.host import FIGURES, host_times
-from pdlab.timing.pace import READ_MIB
+from pdlab.timing.pace import OLD_READ_MIB, READ_MIB, ratio, same_read
 from pdlab.timing.records import CheckError, samples  # noqa: F401 - CheckError: its callers catch it from here
 
 
@@ -84,7 +84,6 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
     run's own (pdlab.timing.contention; None for timed workers, which wait the model out). `other_model`: how the
     model the variant ran differs from the profile's (other_model), None where it does not or the workers were
     timed."""
-    from pdlab.timing.pace import OLD_READ_MIB, ratio, same_read
     from pdlab.timing.provenance import worker_warning
 
     out = {}
@@ -100,6 +99,7 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
         reqs = [r for r in requests if r.get("variant") == name]
         host = host_times(mine, reqs)
         paced = not v.model.modelled and same_read(p.pace_read_mib, pace_read_mib)
+        ran, ran_memory = (list(((x or {}).get(name) or {}).values()) for x in (paces, memory_paces))
         out[name] = {"profile": p.name, "by": by, "modelled": v.model.modelled, **res, "host": host,
                      "other_model": None if v.model.modelled else other_model(p, v.model),
                      "cpu_share": cpu_shares(mine),
@@ -107,10 +107,9 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
                      "contention": None if v.model.modelled else run_contention(p, v, mine, reqs),
                      "profile_contention": p.contention.to_raw(),
                      "kernels": worker_warning(name, p, (kernels or {}).get(name) or {}),
-                     "pace": ratio(list(((paces or {}).get(name) or {}).values()), p.pace_ms) if paced else None,
-                     "memory_pace": ratio(list(((memory_paces or {}).get(name) or {}).values()), p.memory_pace_ms)
-                     if paced else None,
-                     "pace_other": None if paced or v.model.modelled or not p.pace_ms or not (paces or {}).get(name)
+                     "pace": ratio(ran, p.pace_ms) if paced else None,
+                     "memory_pace": ratio(ran_memory, p.memory_pace_ms) if paced else None,
+                     "pace_other": None if paced or v.model.modelled or not (p.pace_ms and ran)
                      else f"the profile's pace read {p.pace_read_mib or OLD_READ_MIB} MiB, the run's workers' "
                           f"{pace_read_mib or OLD_READ_MIB} MiB: not set side by side (pdlab.timing.pace)"}
     return out

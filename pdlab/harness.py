@@ -149,8 +149,7 @@ class Harness:
 
         variants = {n: self.recipe.resolved(n) for n in self.recipe.variant_names}
         steps, requests = (read_jsonl(self.rd.file(f"{k}.jsonl")) for k in ("steps", "requests"))
-        return run_facts(variants, steps, requests, self.kernels.by_variant, self.kernels.paces,
-                         self.kernels.memory_paces)
+        return run_facts(variants, steps, requests, **self.kernels.reported())
 
     def _calibration_check(self) -> list[str]:
         """The calibration against the variants that ran on the same kind of worker (pdlab.measure.box)."""

@@ -33,18 +33,44 @@ def frame(msg):
 
 def test_a_node_that_offers_too_little_is_an_error_naming_the_device():
     nodes, sent = link()
-    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:0-1"], "hostb", 42)), now=0.0)
+    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:0-1"], "hostb", 42, nm.PROTOCOL)), now=0.0)
     assert nodes.error == "node b offers cpu:0-1, but decode1 is placed on b:cpu:2 (pdlab worker --devices there)"
     assert sent == [] and nodes.waiting() == ["b"]
 
 
+def test_a_node_whose_agent_speaks_other_messages_is_an_error_naming_it():
+    """An agent started from another pdlab (its messages differ: a field added, say) is refused at its Offer
+    with a line that says so, and is sent nothing; one from before agents sent their protocol as well."""
+    for theirs, said in (("0123456789ab", "its messages 0123456789ab"),
+                         ("", "its messages from before agents said which")):
+        nodes, sent = link()
+        nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:0-3"], "hostb", 42, theirs)), now=0.0)
+        assert nodes.error == (f"node b (pid 42 on hostb) runs another pdlab ({said}; here {nm.PROTOCOL}): start its "
+                               "agent (pdlab worker) from the same pdlab as the run")
+        assert sent == [] and nodes.waiting() == ["b"]
+
+
+def test_the_protocol_follows_the_messages_fields():
+    """Two processes speak the same messages when their digests agree: a field added, renamed or moved changes
+    it; the order the classes are given in does not."""
+    from dataclasses import make_dataclass
+
+    a, b = make_dataclass("A", ["x", "y"]), make_dataclass("B", ["z"])
+    base = m.digest([a, b])
+    assert base == m.digest([b, a]) and len(base) == 12
+    for other in ([make_dataclass("A", ["x", "y", "w"]), b], [make_dataclass("A", ["y", "x"]), b],
+                  [make_dataclass("A", ["x", "v"]), b], [a, make_dataclass("C", ["z"])]):
+        assert m.digest(other) != base
+
+
 def test_a_node_that_offers_enough_gets_its_workers_and_is_followed():
     nodes, sent = link()
-    nodes.dispatch(b"node:c", frame(nm.Offer("b", ["cpu:0-3"], "x", 1)), now=0.0)  # claims another's name
-    nodes.dispatch(b"node:c", frame(nm.Offer("c", ["cpu:0-3"], "x", 1)), now=0.0)  # not a node of this run
+    nodes.dispatch(b"node:c", frame(nm.Offer("b", ["cpu:0-3"], "x", 1, nm.PROTOCOL)), now=0.0)  # claims another's name
+    nodes.dispatch(b"node:c", frame(nm.Offer("c", ["cpu:0-3"], "x", 1, nm.PROTOCOL)), now=0.0)  # not a node of this run
     assert sent == [] and nodes.waiting() == ["b"]
-    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:0-3"], "hostb", 42)), now=0.0)
-    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:0-3"], "hostb", 42)), now=0.1)  # sent before Start landed
+    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:0-3"], "hostb", 42, nm.PROTOCOL)), now=0.0)
+    # sent before Start landed
+    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:0-3"], "hostb", 42, nm.PROTOCOL)), now=0.1)
     assert sent == [(f"{NODE_IDENTITY}b".encode(), nm.Start("s1", "pdlab-0a1b2c3d-", {"a": "deployment"},
                                                              SPECS["b"]))]
     assert nodes.waiting() == [] and nodes.error is None
@@ -65,7 +91,7 @@ def test_a_node_that_offers_enough_gets_its_workers_and_is_followed():
 
 def test_a_node_that_goes_quiet_or_offers_again_fails_its_workers_once():
     nodes, sent = link()
-    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:1-2"], "hostb", 42)), now=0.0)
+    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:1-2"], "hostb", 42, nm.PROTOCOL)), now=0.0)
     nodes.dispatch(b"node:b", frame(nm.Started("b", "s1", {"decode0": 100, "decode1": 101})), now=0.5)
     nodes.dispatch(b"node:b", frame(nm.NodeBeat("b", "s1")), now=3.0)
     assert nodes.check(now=7.9) == []
@@ -75,9 +101,9 @@ def test_a_node_that_goes_quiet_or_offers_again_fails_its_workers_once():
     assert nodes.check(now=20.0) == [] and nodes.all_ended()  # reported once; nothing left to end there
 
     nodes, sent = link()
-    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:1-2"], "hostb", 42)), now=0.0)
+    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:1-2"], "hostb", 42, nm.PROTOCOL)), now=0.0)
     nodes.dispatch(b"node:b", frame(nm.Started("b", "s1", {"decode0": 100, "decode1": 101})), now=0.5)
-    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:1-2"], "hostb", 43)), now=1.0)  # a new agent, idle
+    nodes.dispatch(b"node:b", frame(nm.Offer("b", ["cpu:1-2"], "hostb", 43, nm.PROTOCOL)), now=1.0)  # a new agent, idle
     assert "left the session: it offers its devices again" in nodes.check(now=1.0)[0][1]
 
 

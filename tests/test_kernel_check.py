@@ -14,7 +14,7 @@ from pdlab.constants import CPU_KERNEL_ENV, CPU_KERNELS, PACKED_LINEAR
 from pdlab.engine import cpu_kernel, kernel_check
 from pdlab.engine.kernel_check import Choice, Shape, cache_key, choose
 from pdlab.measure.kernels import KernelLog, describe, fell_back
-from pdlab.timing.pace import READ_MIB
+from pdlab.timing.pace import READ_MIB, Pace
 
 needs_cc = pytest.mark.skipif(shutil.which(os.environ.get("CC") or "cc") is None, reason="no C compiler here")
 SHAPE = Shape(heads=4, kv_heads=2, head_dim=16, hidden=48, intermediate=80)
@@ -138,9 +138,8 @@ def test_the_run_says_what_ran_and_warns_when_kernels_fell_back(tmp_path):
             self.notes.append(line)
 
     class W:
-        def __init__(self, name, kernels, pace_ms=None, memory_pace_ms=None):
-            self.name, self.kernels = name, kernels
-            self.pace_ms, self.memory_pace_ms = pace_ms, memory_pace_ms
+        def __init__(self, name, kernels, pace=None):
+            self.name, self.kernels, self.pace = name, kernels, pace
 
     rd, view = Rd(), View()
     log = KernelLog(rd, view)
@@ -158,12 +157,18 @@ def test_the_run_says_what_ran_and_warns_when_kernels_fell_back(tmp_path):
     assert log.facts()["pd"]["describe"] == describe(log.by_variant["pd"])
     assert describe({"unified0": {}}) == "no model runs (modelled timing)"
     assert log.record("vllm", [type("Server", (), {"name": "s0"})()]) is None and "vllm" not in log.by_variant
-    # the box's pace each worker timed at its start, and its memory half, each under its own key of env.json
+    # the box's pace each worker timed at its start, its memory half and the read it timed (a worker on a node
+    # may run another checkout's), each under its own key of env.json
     assert "worker_pace_ms" not in rd.env  # none reported one so far (timed engines, external servers)
-    log.record("paced", [W("prefill0", choices(), 2.5, 1.25), W("decode0", choices(), 2.25, 1.0)])
+    log.record("paced", [W("prefill0", choices(), Pace(1.25, 1.25)), W("decode0", choices(), Pace(1.25, 1.0, 32)),
+                         W("timed0", {})])
     assert rd.env["worker_pace_ms"] == {"paced": {"prefill0": 2.5, "decode0": 2.25}}
     assert rd.env["worker_memory_pace_ms"] == {"paced": {"prefill0": 1.25, "decode0": 1.0}}
-    assert rd.env["worker_pace_read_mib"] == READ_MIB
+    assert rd.env["worker_pace_read_mib"] == {"paced": {"prefill0": READ_MIB, "decode0": 32}}
+    got = log.reported()  # what the harness hands the profile check at the run's end
+    assert (got["paces"], got["memory_paces"], got["pace_reads"]) == tuple(
+        rd.env[k] for k in ("worker_pace_ms", "worker_memory_pace_ms", "worker_pace_read_mib"))
+    assert got["kernels"] is log.by_variant
 
 
 @pytest.mark.slow

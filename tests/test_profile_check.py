@@ -240,7 +240,8 @@ def test_paces_of_reads_of_different_sizes_are_not_set_side_by_side():
     """A profile whose pace timed the old 32 MiB read (no pace_read_mib) against a run whose workers timed
     READ_MIB: no ratio (the two computations differ, an L3 read against a DRAM one), and the line says why. The
     same read on both sides (the profile's field and the run's env.json) gives the ratio; a run from before
-    env.json kept the read beside a profile that keeps it is the mismatch the other way."""
+    env.json kept the read beside a profile that keeps it is the mismatch the other way. Workers that timed
+    different reads (one from another checkout) count only where theirs is the profile's."""
     assert READ_MIB != OLD_READ_MIB
     vs = recipe_variants({"v": {}})
     slow = steps_of({"prefill": 1.5, "decode": 1.5, "mixed": 1.5})
@@ -248,7 +249,8 @@ def test_paces_of_reads_of_different_sizes_are_not_set_side_by_side():
                 for mib in (None, READ_MIB))
     kw = dict(paces={"v": {"unified0": 21.0}}, memory_paces={"v": {"unified0": 14.0}})
     for profile, run_mib in ((old, READ_MIB), (new, None)):
-        res = check_run(vs, slow, [], profile=profile, pace_read_mib=run_mib, **kw)
+        reads = {"v": {"unified0": run_mib}} if run_mib else None
+        res = check_run(vs, slow, [], profile=profile, pace_reads=reads, **kw)
         assert res["v"]["pace"] is None and res["v"]["memory_pace"] is None
         assert res["v"]["pace_other"] == (f"the profile's pace read {profile.pace_read_mib or OLD_READ_MIB} MiB, the "
                                           f"run's workers' {run_mib or OLD_READ_MIB} MiB: not set side by side "
@@ -256,10 +258,17 @@ def test_paces_of_reads_of_different_sizes_are_not_set_side_by_side():
         out, warn = lines(res)
         assert res["v"]["pace_other"] in out[0] and "the box's pace x" not in out[0]
         assert not any("pace at their start" in w for w in warn)
-    same = check_run(vs, slow, [], profile=new, pace_read_mib=READ_MIB, **kw)["v"]
+    same = check_run(vs, slow, [], profile=new, pace_reads={"v": {"unified0": READ_MIB}}, **kw)["v"]
     assert same["pace"] == pytest.approx(1.05) and same["memory_pace"] == pytest.approx(1.4)
     assert same["pace_other"] is None
-    assert check_run(vs, slow, [], profile=new, pace_read_mib=READ_MIB)["v"]["pace_other"] is None  # no paces
+    assert check_run(vs, slow, [], profile=new, pace_reads={"v": {"unified0": READ_MIB}})["v"]["pace_other"] is None
+    # two workers, one of them started from a checkout that timed the old read: the other's pace alone
+    mixed = check_run(vs, slow, [], profile=new, paces={"v": {"prefill0": 21.0, "decode0": 40.0}},
+                      memory_paces={"v": {"prefill0": 14.0, "decode0": 30.0}},
+                      pace_reads={"v": {"prefill0": READ_MIB, "decode0": OLD_READ_MIB}})["v"]
+    assert mixed["pace"] == pytest.approx(1.05) and mixed["memory_pace"] == pytest.approx(1.4)
+    assert mixed["pace_other"] == (f"the profile's pace read {READ_MIB} MiB, 1 of the run's 2 workers' {OLD_READ_MIB} "
+                                   "MiB: those not set side by side (pdlab.timing.pace)")
 
 
 def test_a_profile_written_with_a_pace_keeps_its_read_and_one_without_has_none():
@@ -272,15 +281,17 @@ def test_a_profile_written_with_a_pace_keeps_its_read_and_one_without_has_none()
     assert "pace_read_mib" not in profile_raw(**kw) and "pace_read_mib" not in profile_raw(**kw, pace_read_mib=64)
 
 
-def test_a_run_that_just_ended_compares_its_paces_with_a_profile_of_the_same_read(tmp_path, capsys):
-    """The check at a run's end (run_facts) is of workers that timed this code's read: a profile that keeps
-    READ_MIB gets the ratio, one from before (none kept) the note. `pdlab profile --check RUN_DIR` reads the
-    run's read from its env.json: none there (a run from before) against a READ_MIB profile is the note; the
-    same read, the ratio."""
+def test_a_run_compares_its_paces_with_a_profile_of_the_same_read(tmp_path, capsys):
+    """The check at a run's end (run_facts) takes the read each worker reported: workers that timed READ_MIB
+    against a profile that keeps READ_MIB get the ratio, against one from before (none kept) the note.
+    `pdlab profile --check RUN_DIR` reads the reads from env.json: none there (a run from before) against a
+    READ_MIB profile is the note; the same read, the ratio, kept per worker or, as runs of 2026-12-07 kept it,
+    one integer for all."""
     from pdlab.commands.profile import check
 
     slow = steps_of({"prefill": 1.5, "decode": 1.5, "mixed": 1.5})
-    kw = dict(kernels=None, paces={"v": {"unified0": 21.0}}, memory_paces={"v": {"unified0": 14.0}})
+    kw = dict(kernels=None, paces={"v": {"unified0": 21.0}}, memory_paces={"v": {"unified0": 14.0}},
+              pace_reads={"v": {"unified0": READ_MIB}})
     new = dict(name="box", source="measured", device="a CPU", date="2026-12-07", model="tiny-llama",
                step=STEP.to_raw(), kv_bytes_per_token=512, kv_memory_gb=1.0, transfer={"shm": {"gbps": 10.0}},
                pace_ms=20.0, memory_pace_ms=10.0)
@@ -301,7 +312,10 @@ def test_a_run_that_just_ended_compares_its_paces_with_a_profile_of_the_same_rea
     (run / "steps.jsonl").write_text("".join(json.dumps(s) + "\n" for s in slow))
     env = {"worker_pace_ms": {"v": {"unified0": 21.0}}, "worker_memory_pace_ms": {"v": {"unified0": 14.0}}}
     for read, said in ((None, "the profile's pace read %d MiB, the run's workers' %d MiB" % (READ_MIB, OLD_READ_MIB)),
-                       (READ_MIB, "the box's pace x1.05 the profile's, its memory half x1.40")):
+                       (READ_MIB, "the box's pace x1.05 the profile's, its memory half x1.40"),
+                       ({"v": {"unified0": READ_MIB}}, "the box's pace x1.05 the profile's, its memory half x1.40"),
+                       ({"v": {"unified0": OLD_READ_MIB}},
+                        "the profile's pace read %d MiB, the run's workers' %d MiB" % (READ_MIB, OLD_READ_MIB))):
         (run / "env.json").write_text(json.dumps({**env, **({"worker_pace_read_mib": read} if read else {})}))
         assert check(str(run), profile=path) == 0
         assert said in capsys.readouterr().out

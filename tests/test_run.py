@@ -98,7 +98,8 @@ def test_the_run_records_which_kernels_each_worker_ran(tiny_run):
     assert {v: set(ws) for v, ws in run.env["worker_pace_ms"].items()} == workers
     assert all(ms > 0 for ws in run.env["worker_pace_ms"].values() for ms in ws.values())
     assert {v: set(ws) for v, ws in run.env["worker_memory_pace_ms"].items()} == workers
-    assert run.env["worker_pace_read_mib"] == READ_MIB  # the read they timed (a pace of another is not compared)
+    # the read each timed (a pace of another is not compared)
+    assert run.env["worker_pace_read_mib"] == {v: {w: READ_MIB for w in ws} for v, ws in workers.items()}
     assert all(0 < run.env["worker_memory_pace_ms"][v][w] < run.env["worker_pace_ms"][v][w]
                for v, ws in workers.items() for w in ws)
 

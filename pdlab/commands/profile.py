@@ -165,7 +165,7 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
     the host time goes first and the drift is read against the profile it leaves."""
     from pdlab.measure.records import RunDirError, load_run
     from pdlab.recipe import RecipeError, load_profile, parse_recipe
-    from pdlab.timing.check import CheckError, check_run, lines
+    from pdlab.timing.check import CheckError, check_run, env_pace_reads, lines
 
     flag = " and ".join(f for f, on in (("--write-host", write_host), ("--write-drift", write_drift)) if on)
     if (write_host or write_drift) and profile is None:
@@ -188,7 +188,7 @@ def check(run_dir: str, profile: Optional[str] = None, write_host: bool = False,
     try:
         checks = check_run(variants, run.steps, run.requests, given, run.env.get("cpu_kernels"),
                            run.env.get("worker_pace_ms"), run.env.get("worker_memory_pace_ms"),
-                           run.env.get("worker_pace_read_mib"))
+                           env_pace_reads(run.env))
     except CheckError as e:
         return _err(f"{run_dir}: {e}")
     if not checks:

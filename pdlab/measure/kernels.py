@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from pdlab.timing.pace import READ_MIB  # what the workers' memory half read (the same code as this)
-
 FELL_BACK = ("not built", "off")  # a Choice's `why` that means the kernel could not run at all
 
 
@@ -59,6 +57,7 @@ class KernelLog:
         # variant -> worker -> the box's pace at its start (pdlab.timing.pace), reported with the kernels: env.json
         self.paces: dict[str, dict[str, float]] = {}
         self.memory_paces: dict[str, dict[str, float]] = {}  # its memory half: env.json worker_memory_pace_ms
+        self.pace_reads: dict[str, dict[str, int]] = {}  # the MiB that half read: env.json worker_pace_read_mib
         self.warnings: list[str] = []
 
     def record(self, variant: str, workers: list[Any]) -> Optional[str]:
@@ -68,14 +67,13 @@ class KernelLog:
         got = {w.name: dict(w.kernels) for w in workers}
         self.by_variant[variant] = got
         self.rd.update_env(cpu_kernels=self.by_variant)
-        paces = {w.name: float(w.pace_ms) for w in workers if getattr(w, "pace_ms", None)}
-        if paces:
-            self.paces[variant] = paces
-            self.rd.update_env(worker_pace_ms=self.paces, worker_pace_read_mib=READ_MIB)
-        memory = {w.name: float(w.memory_pace_ms) for w in workers if getattr(w, "memory_pace_ms", None)}
-        if memory:
-            self.memory_paces[variant] = memory
-            self.rd.update_env(worker_memory_pace_ms=self.memory_paces)
+        paced = [(w.name, w.pace) for w in workers if getattr(w, "pace", None) is not None]
+        if paced:  # each worker's own figures, and the read it timed (a node may run another checkout)
+            self.paces[variant] = {n: p.total_ms for n, p in paced}
+            self.memory_paces[variant] = {n: p.memory_ms for n, p in paced}
+            self.pace_reads[variant] = {n: p.read_mib for n, p in paced}
+            self.rd.update_env(worker_pace_ms=self.paces, worker_memory_pace_ms=self.memory_paces,
+                               worker_pace_read_mib=self.pace_reads)
         self.view.note(f"{variant}: {describe(got)}")
         lost = fell_back(got)
         if not lost:
@@ -85,6 +83,12 @@ class KernelLog:
         self.warnings.append(warning)
         self.view.note(f"warning: {warning}")
         return warning
+
+    def reported(self) -> dict:
+        """What the workers reported, as pdlab.timing.check.run_facts takes it (its keyword arguments): their
+        kernels, and their paces with the read each timed."""
+        return {"kernels": self.by_variant, "paces": self.paces, "memory_paces": self.memory_paces,
+                "pace_reads": self.pace_reads}
 
     def facts(self) -> dict:
         return {variant: {"workers": workers, "describe": describe(workers)}

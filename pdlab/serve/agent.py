@@ -120,7 +120,7 @@ class Agent:
             if now - beat >= HEARTBEAT_S:
                 beat = now
                 self._send(nm.NodeBeat(self.name, self.session) if self.session else
-                           nm.Offer(self.name, self.devices, socket.gethostname(), os.getpid()))
+                           nm.Offer(self.name, self.devices, socket.gethostname(), os.getpid(), nm.PROTOCOL))
 
     def _watch(self) -> bool:
         """A connection event; True when the agent is done (the router went away mid-session, --once)."""

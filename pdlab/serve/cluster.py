@@ -47,6 +47,7 @@ from pdlab.serve.router import (RequestDone, Router, StepEvent, TokenEvent, Tran
 from pdlab.serve.topology import ClusterError, place
 from pdlab.serve.spec import WorkerSpec
 from pdlab.serve.worker import run_worker
+from pdlab.timing.pace import Pace
 
 __all__ = ["Cluster", "ClusterError", "WorkerInfo", "TokenEvent", "RequestDone", "StepEvent", "TransferEvent",
            "WorkerFailed"]
@@ -62,8 +63,7 @@ class WorkerInfo:
     devices: list[str]
     pid: Optional[int] = None
     kernels: dict = field(default_factory=dict)  # CPU kernels its engine runs, and why (its Ready message)
-    pace_ms: Optional[float] = None  # the box's pace at its start (its Ready message; pdlab.timing.pace)
-    memory_pace_ms: Optional[float] = None  # its memory half
+    pace: Optional[Pace] = None  # the box's pace at its start (its Ready message; pdlab.timing.pace)
 
 
 class Cluster:
@@ -93,8 +93,7 @@ class Cluster:
         procs = self.router.workers if self.router else {}
         return [WorkerInfo(w.name, w.role, list(w.where), getattr(procs.get(w.name), "proc", None) and
                            procs[w.name].proc.pid, dict(getattr(procs.get(w.name), "kernels", {}) or {}),
-                           getattr(procs.get(w.name), "pace_ms", None),
-                           getattr(procs.get(w.name), "memory_pace_ms", None))
+                           getattr(procs.get(w.name), "pace", None))
                 for w in self.deployment.workers]
 
     @property

@@ -7,6 +7,8 @@ dataclasses registered here, and it rejects unknown types, missing or extra fiel
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Optional
 
@@ -23,6 +25,13 @@ def message(cls: type) -> type:
 
 class MessageError(ValueError):
     """A frame that is not a valid pdlab message."""
+
+
+def digest(classes: Any) -> str:
+    """A short digest of the messages `classes` define (each one's name and field names, in order): two
+    processes speak the same messages when their digests agree (pdlab.serve.node_messages.PROTOCOL)."""
+    shape = sorted([c.__name__, [f.name for f in fields(c)]] for c in classes)
+    return hashlib.sha256(json.dumps(shape).encode()).hexdigest()[:12]
 
 
 # ---- router -> worker ---------------------------------------------------------------------------
@@ -135,8 +144,9 @@ class Ready:
     # which CPU kernels its engine runs and why (pdlab.engine.kernel_check.Choice.to_dict by kernel; {} when no
     # model runs: a timed engine)
     kernels: dict = field(default_factory=dict)
-    pace_ms: Optional[float] = None  # the box's pace at its start (pdlab.timing.pace): CPU workers running a model
-    memory_pace_ms: Optional[float] = None  # its memory half (pdlab.timing.pace.Pace.memory_ms)
+    # the box's pace at its start (pdlab.timing.pace.Pace.to_raw: its two halves and the read it timed): CPU
+    # workers running a model; None for the rest
+    pace: Optional[dict] = None
 
 
 @message

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import field
 from typing import Optional
 
+from pdlab.serve import messages as m
 from pdlab.serve.messages import message
 
 # ---- agent -> router -------------------------------------------------------------------------------
@@ -27,6 +28,7 @@ class Offer:
     devices: list
     host: str
     pid: int
+    protocol: str = ""  # PROTOCOL of the agent's pdlab ("": one from before agents sent it)
 
 
 @message
@@ -124,3 +126,8 @@ class ProbeReady:
     worker: str
     pool: Optional[dict]
     error: str = ""
+
+
+# the messages this pdlab speaks, router and workers and agents: a node whose agent offers another is refused
+# at its Offer with a line that says so, instead of failing later on a frame the other side cannot decode
+PROTOCOL = m.digest(c for c in m.MESSAGES.values() if c.__module__ in (m.__name__, __name__))

@@ -23,6 +23,13 @@ from pdlab.serve import messages as m
 from pdlab.serve import node_messages as nm
 
 
+def other_protocol(offer: nm.Offer) -> str:
+    """Why a node whose agent speaks other messages than this pdlab cannot join (nm.PROTOCOL)."""
+    theirs = f"its messages {offer.protocol}" if offer.protocol else "its messages from before agents said which"
+    return (f"node {offer.node} (pid {offer.pid} on {offer.host}) runs another pdlab ({theirs}; here {nm.PROTOCOL}): "
+            "start its agent (pdlab worker) from the same pdlab as the run")
+
+
 class RemoteProc:
     """A worker process on another node, as far as its agent says (the attributes the router reads of a
     multiprocessing.Process: pid, exitcode, kill)."""
@@ -94,6 +101,9 @@ class NodeLink:
             return
         if node in self.offers:
             return  # offers sent before our Start reached it
+        if offer.protocol != nm.PROTOCOL:
+            self.error = other_protocol(offer)
+            return
         try:
             have = set(parse_devices(list(offer.devices)))
         except ValueError as e:

@@ -24,6 +24,7 @@ from pdlab.serve import messages as m
 from pdlab.serve import node_messages as nm
 from pdlab.serve.curve import ClusterKeys, serve as curve_serve
 from pdlab.serve.guard import Guard
+from pdlab.serve.nodes import other_protocol
 from pdlab.serve.peer_probe import PEER_NAME, measure, peer_spec
 
 
@@ -76,6 +77,8 @@ def probe_peer(address: str, keys: Optional[ClusterKeys], wait_s: float, ucx_tls
             refused = guard.summary() if guard else ""
             raise PeerError(f"no node joined {address} within {wait_s:g}s" + (f"; {refused}" if refused else ""))
         node, offer = got
+        if offer.protocol != nm.PROTOCOL:
+            raise PeerError(other_protocol(offer))
         say(f"node {offer.node} (pid {offer.pid} on {offer.host}) joined; starting its probe peer")
         spec = peer_spec(address, ucx_tls, max(sizes))
         send(node, nm.Probe(session, f"{shm.PREFIX}{secrets.token_hex(4)}-", spec.to_raw()))

@@ -30,6 +30,7 @@ from pdlab.serve.handover import HANDOVERS
 from pdlab.serve.mirror import PrefixMirror
 from pdlab.serve.placement import DecodeChoice, WorkerView, choose_decode, least_loaded, place_arrival
 from pdlab.serve.request import ReqState, Request
+from pdlab.timing.pace import Pace
 
 __all__ = ["Router", "WorkerState", "RequestDone", "StepEvent", "TokenEvent", "TransferEvent", "WorkerFailed"]
 
@@ -52,8 +53,7 @@ class WorkerState:
     cache: PrefixMirror = field(default_factory=PrefixMirror)  # decode: its prefix cache, when it reports it
     fingerprint: dict = field(default_factory=dict)  # disaggregated roles: what its KV blocks are (Ready)
     kernels: dict = field(default_factory=dict)  # CPU kernels its engine runs, and why (Ready)
-    pace_ms: Optional[float] = None  # the box's pace at its start (Ready; pdlab.timing.pace)
-    memory_pace_ms: Optional[float] = None  # its memory half
+    pace: Optional[Pace] = None  # the box's pace at its start (Ready; pdlab.timing.pace)
 
 
 class Router:
@@ -174,7 +174,7 @@ class Router:
             self.stats[w.name] = msg
         elif isinstance(msg, m.Ready):
             w.ready, w.pool, w.kv_blocks, w.block_size = True, msg.pool, msg.kv_blocks, msg.block_size
-            w.kernels, w.pace_ms, w.memory_pace_ms = msg.kernels, msg.pace_ms, msg.memory_pace_ms
+            w.kernels, w.pace = msg.kernels, Pace.from_raw(msg.pace)
             w.fingerprint = msg.fingerprint
             w.free_blocks, w.loop_t = msg.kv_blocks, now
             w.last_hb = now  # the start-up grace ends: from here on a worker is silent for heartbeat_timeout_s at most

@@ -107,7 +107,7 @@ class Worker:
             pace = measure_pace()
         self.send(m.Ready(self.name, os.getpid(), handle,
                            self.engine.blocks.num_blocks, self.engine.config.block_size, fp, kernels,
-                           pace.total_ms if pace else None, pace.memory_ms if pace else None))
+                           pace.to_raw() if pace else None))
 
     def send(self, msg: Any) -> None:
         self.sock.send(m.encode(msg))

@@ -22,7 +22,7 @@ from pdlab.engine.model import PRESETS
 from pdlab.timing.contention import SPREADS, contention_raw, estimate, tail
 from pdlab.timing.fit import KINDS, StepSample, errors, predict
 from pdlab.timing.host import FIGURES, host_times
-from pdlab.timing.pace import OLD_READ_MIB, READ_MIB, ratio, same_read
+from pdlab.timing.pace import OLD_READ_MIB, ratio, same_read
 from pdlab.timing.records import CheckError, samples  # noqa: F401 - CheckError: its callers catch it from here
 
 
@@ -70,7 +70,7 @@ def profile_for(name: str, variants: dict[str, Any]) -> Optional[tuple[Any, str]
 def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
               profile: Optional[Any] = None, kernels: Optional[dict[str, dict]] = None,
               paces: Optional[dict[str, dict]] = None, memory_paces: Optional[dict[str, dict]] = None,
-              pace_read_mib: Optional[int] = None) -> dict:
+              pace_reads: Optional[dict[str, dict]] = None) -> dict:
     """variant -> {profile, by, modelled, other_model, steps, overall, kinds, host, profile_host, contention,
     profile_contention, kernels, pace, memory_pace, pace_other, cpu_share} for every
     variant with a profile to check (`profile` given: that one for every variant) and steps to check it on.
@@ -78,9 +78,10 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
     a warning when they are not the profile's (pdlab.timing.provenance), else None. `paces`: variant -> worker
     -> the box's pace at its start (env.json's worker_pace_ms); `pace` in the result is the median of its
     workers' over the profile's (pdlab.timing.pace.ratio), None where either is missing; `memory_paces` and
-    `memory_pace` the same of its memory half (env.json's worker_memory_pace_ms); both None where the run's
-    workers and the profile timed reads of different sizes (`pace_read_mib`: the run's, env.json's
-    worker_pace_read_mib; pdlab.timing.pace.same_read), and `pace_other` then says so. `contention`: the
+    `memory_pace` the same of its memory half (env.json's worker_memory_pace_ms). Only workers that timed the
+    profile's read count (`pace_reads`: variant -> worker -> MiB, env.json's worker_pace_read_mib through
+    `env_pace_reads`; a worker without one timed OLD_READ_MIB; pdlab.timing.pace.same_read): both None where
+    none did, and `pace_other` says which did not. `contention`: the
     run's own (pdlab.timing.contention; None for timed workers, which wait the model out). `other_model`: how the
     model the variant ran differs from the profile's (other_model), None where it does not or the workers were
     timed."""
@@ -98,8 +99,9 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
             continue
         reqs = [r for r in requests if r.get("variant") == name]
         host = host_times(mine, reqs)
-        paced = not v.model.modelled and same_read(p.pace_read_mib, pace_read_mib)
-        ran, ran_memory = (list(((x or {}).get(name) or {}).values()) for x in (paces, memory_paces))
+        ran, ran_memory, other = paced_workers(p.pace_read_mib, *(((x or {}).get(name) or {})
+                                                                  for x in (paces, memory_paces, pace_reads)))
+        paced = not v.model.modelled and bool(ran)
         out[name] = {"profile": p.name, "by": by, "modelled": v.model.modelled, **res, "host": host,
                      "other_model": None if v.model.modelled else other_model(p, v.model),
                      "cpu_share": cpu_shares(mine),
@@ -109,10 +111,38 @@ def check_run(variants: dict[str, Any], steps: list[dict], requests: list[dict],
                      "kernels": worker_warning(name, p, (kernels or {}).get(name) or {}),
                      "pace": ratio(ran, p.pace_ms) if paced else None,
                      "memory_pace": ratio(ran_memory, p.memory_pace_ms) if paced else None,
-                     "pace_other": None if paced or v.model.modelled or not (p.pace_ms and ran)
-                     else f"the profile's pace read {p.pace_read_mib or OLD_READ_MIB} MiB, the run's workers' "
-                          f"{pace_read_mib or OLD_READ_MIB} MiB: not set side by side (pdlab.timing.pace)"}
+                     "pace_other": None if v.model.modelled or not (p.pace_ms and other)
+                     else other_reads(p.pace_read_mib, other, len(ran) + len(other))}
     return out
+
+
+def paced_workers(profile_mib: Optional[int], paces: dict, memory_paces: dict,
+                  reads: dict) -> tuple[list[float], list[float], dict[str, int]]:
+    """A variant's workers' paces and memory halves that timed the profile's read, and {worker: MiB} of those that
+    timed another (a worker without a read kept: OLD_READ_MIB)."""
+    same = [w for w in paces if same_read(profile_mib, reads.get(w))]
+    other = {w: reads.get(w) or OLD_READ_MIB for w in paces if w not in same}
+    return [paces[w] for w in same], [memory_paces[w] for w in same if w in memory_paces], other
+
+
+def other_reads(profile_mib: Optional[int], other: dict[str, int], workers: int) -> str:
+    """pace_other's line: which workers' paces are not set beside the profile's, and why."""
+    mib = "/".join(str(x) for x in sorted(set(other.values())))
+    who, those = (("the run's workers'", "") if len(other) == workers
+                  else (f"{len(other)} of the run's {workers} workers'", "those "))
+    return (f"the profile's pace read {profile_mib or OLD_READ_MIB} MiB, {who} {mib} MiB: {those}not set side by "
+            "side (pdlab.timing.pace)")
+
+
+def env_pace_reads(env: dict) -> dict[str, dict[str, int]]:
+    """A run's env.json worker_pace_read_mib as check_run takes it (variant -> worker -> MiB). Runs of
+    2026-12-07 kept one integer for every worker (the harness's own read), runs before that none."""
+    reads = env.get("worker_pace_read_mib")
+    if isinstance(reads, dict):
+        return reads
+    if isinstance(reads, int):
+        return {v: {w: reads for w in ws} for v, ws in (env.get("worker_pace_ms") or {}).items()}
+    return {}
 
 
 def _same_model(measured: str, ran: str) -> Optional[bool]:
@@ -264,14 +294,15 @@ def _ms(x: Optional[float]) -> str:
 def run_facts(variants: dict[str, Any], steps: list[dict], requests: list[dict],
               kernels: Optional[dict[str, dict]] = None,
               paces: Optional[dict[str, dict]] = None,
-              memory_paces: Optional[dict[str, dict]] = None) -> tuple[dict, list[str]]:
+              memory_paces: Optional[dict[str, dict]] = None,
+              pace_reads: Optional[dict[str, dict]] = None) -> tuple[dict, list[str]]:
     """What a run's summary says of its profiles: ({variants: check_run's result, lines}, warnings): the check
     of every variant whose recipe names a profile, and the profile's provenance for timed variants (measured
-    on another CPU, with other kernels than this machine chooses: pdlab.timing.provenance). For the run that
-    just ended, whose workers timed this code's pace (pdlab.timing.pace.READ_MIB)."""
+    on another CPU, with other kernels than this machine chooses: pdlab.timing.provenance). `pace_reads`: the
+    read each worker's pace timed, as its Ready message said (pdlab.measure.kernels.KernelLog)."""
     try:
         checks = check_run(variants, steps, requests, kernels=kernels, paces=paces, memory_paces=memory_paces,
-                           pace_read_mib=READ_MIB)  # the run that just ended: its workers ran this code
+                           pace_reads=pace_reads)
     except CheckError as e:
         return {"variants": {}, "lines": [], "error": str(e)}, [f"profile check: {e}"]
     out, warn = lines(checks)

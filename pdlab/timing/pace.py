@@ -6,7 +6,8 @@ one shape drifted from 13 to 21 ms within one benchmark, and a run's steps took 
 prediction while the profile fitted its own held-out steps with R² 0.98 (BENCHMARKS.md, issue 25). A profile
 measured before a run cannot predict that drift. What this gives is a figure to read beside the miss: the
 profile records its pace, every CPU worker times the same computation when it starts (its Ready message;
-env.json's `worker_pace_ms`, and `worker_memory_pace_ms` for the memory half), and `pdlab profile --check`
+env.json's `worker_pace_ms`, `worker_memory_pace_ms` for the memory half and `worker_pace_read_mib` for the
+read it timed), and `pdlab profile --check`
 shows the ratio of the two with the steps' measured / predicted. It is a snapshot at the workers' start, a tenth
 of a second long, and the box drifts within a run: on the developers' box it matched the steps' ratio in some
 runs and not in others (BENCHMARKS.md), so it is shown, not used to correct anything.
@@ -32,10 +33,11 @@ or run that timed the old read says so (`pace_read_mib` absent) and its pace is 
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 PACE_REPS = 9
 GEMM = (32, 1024, 1024)  # rows, in, out
@@ -46,10 +48,30 @@ READ_FLOATS = READ_MIB << 18  # float32
 
 @dataclass(frozen=True)
 class Pace:
-    """The fixed computation's two halves, each the median of PACE_REPS timings in ms."""
+    """The fixed computation's two halves, each the median of PACE_REPS timings in ms, and the read the memory
+    half timed. The read travels with the figures (a worker's Ready message, env.json's worker_pace_read_mib)
+    so that a worker started from another checkout is recorded with the read it timed, not the harness's."""
 
     compute_ms: float  # the GEMM (its operands fit a core's caches)
-    memory_ms: float  # the READ_MIB read
+    memory_ms: float  # the read of read_mib MiB
+    read_mib: int = READ_MIB
+
+    def to_raw(self) -> dict:
+        """Plain data for a message: {compute_ms, memory_ms, read_mib}."""
+        return {"compute_ms": self.compute_ms, "memory_ms": self.memory_ms, "read_mib": self.read_mib}
+
+    @classmethod
+    def from_raw(cls, raw: Any) -> Optional["Pace"]:
+        """A Pace from `to_raw`'s data; None for anything else (two times > 0 and a read > 0 as an integer): a
+        pace is a figure shown beside a run, not a reason to refuse a worker."""
+        if not isinstance(raw, dict) or set(raw) != {"compute_ms", "memory_ms", "read_mib"}:
+            return None
+        times, mib = (raw["compute_ms"], raw["memory_ms"]), raw["read_mib"]
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf for x in times):
+            return None
+        if not isinstance(mib, int) or isinstance(mib, bool) or mib <= 0:
+            return None
+        return cls(float(times[0]), float(times[1]), mib)
 
     @property
     def total_ms(self) -> float:
@@ -78,7 +100,7 @@ def measure() -> Pace:
                 t = time.perf_counter()
                 f()
                 ts.append(time.perf_counter() - t)
-    return Pace(statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3)
+    return Pace(statistics.median(times[0]) * 1e3, statistics.median(times[1]) * 1e3, READ_MIB)
 
 
 def same_read(profile_mib: Optional[int], run_mib: Optional[int]) -> bool:

@@ -27,6 +27,9 @@ records a run's harness writes, each step's line and each request's record with 
 directory, so that its time is a run's). `pdlab profile` takes contention.main_step_ms from what the workers'
 steps lost to it (pdlab.timing.contention.main_step) where it shared their cores (`main_shared`), and this
 where it did not or they do not record their CPU time.
+
+The phases run in PHASES's order: half the one-at-a-time requests and half the chained ones first, then the
+bursts and the staggered requests, then the other halves, so that the steps alone straddle the steps together.
 """
 
 from __future__ import annotations
@@ -43,11 +46,20 @@ BURSTS = 3  # of them: the send time is the quickest burst's (its router at its 
 PROMPTS = (64, 1024)  # prompt lengths drawn uniformly from this range (within the model's context): pulls of
 #                       several lengths, whose admit time grows with them (pdlab.timing.host admit_ktok)
 OUTPUT = 64  # tokens each: the first steps of a new decode batch run slower (measure.DECODE_LEAD); 16 left mostly those
-CHAINED = 12  # prefill-only requests one after the other: warm prefill steps alone (the first is cold)
-CO_REQUESTS = 20  # staggered, so that prefills run beside decodes (and pulls are admitted one at a time)
+CHAINED = 16  # prefill-only requests one after the other: warm prefill steps alone (each phase's first is cold)
+# staggered, so that prefills run beside decodes (and pulls are admitted one at a time): with 20, ten probes in
+# a row on the 2-core Xeon read prefill_x with a spread (sd) of 0.044, with 40 of 0.023 (2026-12-08, BENCHMARKS.md)
+CO_REQUESTS = 40
 CO_OUTPUT = 48
 STAGGER_STEPS = 4  # decode steps between one staggered submission and the next
 IDLE_S = 0.05  # between one request's end and the next one's submission: both workers idle again
+# The phases in the order they run, each (kind, how many). The steps alone (one at a time, chained) come half
+# before and half after the steps together (bursts, staggered), so that a box whose pace moves steadily over the
+# probe moves both alike: contention is a ratio of the two, and with the steps alone all first, such a drift read
+# as contention (a factor below 1 beside stepping workers, which a neighbour cannot cause, was one sign of it).
+# In a quiet quarter hour on the 2-core Xeon the two orders read the same (2026-12-08, BENCHMARKS.md).
+PHASES = (("one", REQUESTS // 2), ("chained", CHAINED // 2), ("burst", BURSTS), ("staggered", CO_REQUESTS),
+          ("chained", CHAINED - CHAINED // 2), ("one", REQUESTS - REQUESTS // 2))
 TIMEOUT_S = 120.0  # the whole probe, after the workers are up
 
 
@@ -153,16 +165,23 @@ def probe_host(model: str, dtype: str, cores: list[int], seed: int = 0,
             rd.append("requests", done)
 
         cpu0 = time.process_time()
-        for i in range(REQUESTS):
-            serve([f"h{i}"])
-        serve([f"p{i}" for i in range(CHAINED)], 1, chain=True)
-        for k in range(BURSTS):
-            serve([f"b{k}.{i}" for i in range(BURST)])
-        serve([f"c{i}" for i in range(CO_REQUESTS)], CO_OUTPUT, stagger=True)
+        bursts = 0
+        for p, (kind, n) in enumerate(PHASES):
+            if kind == "one":
+                for i in range(n):
+                    serve([f"h{p}.{i}"])
+            elif kind == "chained" and n:
+                serve([f"p{p}.{i}" for i in range(n)], 1, chain=True)
+            elif kind == "burst":
+                for _ in range(n):
+                    serve([f"b{bursts}.{i}" for i in range(BURST)])
+                    bursts += 1
+            elif kind == "staggered" and n:
+                serve([f"c{p}.{i}" for i in range(n)], CO_OUTPUT, stagger=True)
         main_s = time.process_time() - cpu0
     est = host_times(steps, requests)
     quickest = min((x for x in (median_ms(sends([r for r in requests if r["id"].startswith(f"b{k}.")]))
-                                for k in range(BURSTS)) if x is not None), default=None)
+                                for k in range(bursts)) if x is not None), default=None)
     return {**est, "send_ms": quickest, "requests": len(requests), "steps": steps, "request_records": requests,
             "main_step_ms": 1000.0 * main_s / len(steps) if steps else None,
             "main_shared": main_shares_cores(dep)}  # the probe's main process had no core of its own

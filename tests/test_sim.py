@@ -80,15 +80,21 @@ def test_disaggregated_hands_over_and_matches_unified_tokens():
         assert ph["transfer_end"] == pytest.approx(ph["admitted"]) and x["decode_worker"] == "decode0"
 
 
-@pytest.mark.parametrize("dep", [PULL, PUSH], ids=["pull", "push"])
+GPU_PULL = {"prefill": {"devices": ["cuda:0"]}, "decode": {"devices": ["cuda:1"]}, "mode": "pull"}
+NIXL_PULL = dict(PULL, transport="nixl")
+COPIES = {t: {"gbps": 1, "latency_ms": 5} for t in ("shm", "cuda-ipc", "nixl")}
+
+
+@pytest.mark.parametrize("dep", [GPU_PULL, NIXL_PULL, PUSH], ids=["gpu-pull", "nixl-pull", "push"])
 def test_a_decode_worker_admits_between_its_steps(dep):
     """A decode worker reads landings and messages between steps: a request whose KV lands mid-step is admitted,
     and its first token sent, when that step ends; its second token comes from a step that starts after
-    that, not from what was left of the one in progress."""
+    that, not from what was left of the one in progress. (A copy beside the steps: a GPU's side stream, NIXL,
+    a push written by the prefill worker.)"""
     r = recipe({"pd": dep}, workload={"requests": 60, "input_len": {"kind": "fixed", "value": 40},
                                       "output_len": {"kind": "fixed", "value": 32}}, rates=[10],
                model={"preset": "tiny-llama", "timing": {"name": "t", "step": PREFILL, "kv_bytes_per_token": 512,
-                                                          "transfer": {"shm": {"gbps": 1, "latency_ms": 5}}}})
+                                                          "transfer": COPIES}})
     v = r.resolved("pd")
     recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 10.0, seed=0, vocab_size=512), 10.0)
     spans = [(s["start"], s["end"]) for s in steps if s["worker"] == "decode0"]
@@ -100,6 +106,38 @@ def test_a_decode_worker_admits_between_its_steps(dep):
         mid_step += ph["admitted"] > ph["transfer_end"]
         assert x["token_times"][1] in {b for a, b in spans if a >= first}  # a step that started after it
     assert mid_step > 5  # the decode worker was stepping when most of them landed
+
+
+def test_a_cpu_decode_worker_pulling_over_shm_copies_between_its_steps():
+    """A CPU decode worker's pull over shm copies on its own core: the copy starts once its step in progress is
+    over, and its next step starts only after the KV landed and the request was admitted (with admit_ms in
+    all; the copy's own time counts in it, as the gaps it was read from held the copy), so that step already
+    decodes the request. Where the copy takes longer than admit_ms, the gap is the copy."""
+    for copy_ms, admit_ms in ((5.0, 1.0), (0.5, 3.0)):
+        r = recipe({"pd": PULL}, workload={"requests": 60, "input_len": {"kind": "fixed", "value": 40},
+                                           "output_len": {"kind": "fixed", "value": 8}}, rates=[10],
+                   model={"preset": "tiny-llama",
+                          "timing": {"name": "t", "step": PREFILL, "kv_bytes_per_token": 512,
+                                     "host": {"admit_ms": admit_ms},
+                                     "transfer": {"shm": {"gbps": 1000, "latency_ms": copy_ms}}}})
+        v = r.resolved("pd")
+        recs, steps, _ = Simulator(v, v.slo).run(build_requests(v.workload, 10.0, seed=0, vocab_size=512), 10.0)
+        spans = sorted((s["start"], s["end"]) for s in steps if s["worker"] == "decode0")
+        alone = 0
+        for x in recs:
+            ph = x["phases"]
+            assert not any(ph["transfer_start"] < b and a < ph["admitted"] for a, b in spans), x["id"]
+            assert ph["admitted"] == pytest.approx(ph["transfer_end"]) == pytest.approx(x["token_times"][0])
+            after = min(a for a, b in spans if a >= ph["admitted"])
+            assert after - ph["transfer_start"] >= max(copy_ms, admit_ms) / 1e3 - 1e-9
+            since = max((b for a, b in spans if b <= ph["transfer_start"]), default=0.0)  # the gap it copied in
+            if sum(since <= y["phases"]["transfer_start"] < after for y in recs) == 1:  # the gap's only pull
+                copy = ph["transfer_end"] - ph["transfer_start"]
+                assert after - ph["transfer_start"] == pytest.approx(max(copy, admit_ms / 1e3))
+                alone += 1
+            assert x["token_times"][1] == min(b for a, b in spans if a >= ph["admitted"])  # the next step decodes it
+        assert max(s["running"] for s in steps if s["worker"] == "decode0") > 1  # admitted beside others' decodes
+        assert alone > 10
 
 
 def test_the_simulators_tokens_come_from_the_kv_it_hands_over(monkeypatch):

@@ -23,7 +23,11 @@ time, `send_ms` apart (a burst reaches the workers spread out, as a run's does),
 worker's socket starts its step `hop_ms` after the router took it, with what reached the worker meanwhile (a
 stepping worker takes it at its next step); a hand-over reaches the decode side `handoff_ms` after the prefill ended
 (pull: the transfer starts then, and not before the decode worker's current step is over, since a worker reads its
-messages between steps; push: the decode worker admits the request that long after the KV landed). A
+messages between steps; push: the decode worker admits the request that long after the KV landed). A CPU decode
+worker pulling over shm copies on its own core, and its next step waits for the copy and the admission: in the
+runs of 2026-12-08 on the 2-core Xeon, 87 of 96 pulls started, landed and were admitted within one gap between
+the decode worker's steps (BENCHMARKS.md), where a simulation that stepped on beside the copy admitted 93 of 96 a
+step late. Elsewhere (a GPU's side stream, NIXL) the copy runs beside the steps. A
 request whose KV lands while its decode worker steps is admitted, and its first token sent, when that step
 ends: a worker reads its landings between steps, and its second token is a whole step later; each hand-over
 it admits puts `admit_ms` more before its next step (its own time for it: reserving, pulling, admitting), and
@@ -94,6 +98,7 @@ class _Worker:
     free_at: float = 0.0
     step_end: Optional[float] = None  # when its last step ended (None: none yet)
     holds: set = field(default_factory=set)
+    pulls_in_gap: bool = False  # a decode worker whose pulls' copies take its core between steps (_start_pull)
 
 
 @dataclass
@@ -148,7 +153,9 @@ class Simulator:
             pace = (paces or {}).get(w.name)
             timing = WorkerTime(self.timing, w.name, pace)
             eng = Engine(stand_in, variant.engine, role=w.role, step_timing=timing, clock=clock)
-            self.workers[w.name] = _Worker(w.name, w.role, eng, clock, timing)
+            self.workers[w.name] = _Worker(w.name, w.role, eng, clock, timing,
+                                           pulls_in_gap=self.mode == "pull" and w.kind == "cpu"
+                                           and dep.transport == "shm")
         self.layers = next(iter(self.workers.values())).engine.dims["layers"]
         shares = main_shares_cores(dep) if shares_cores is None else shares_cores
         step_ms = self.timing.contention.main_step_ms
@@ -271,8 +278,12 @@ class Simulator:
             # its first token sent, when the step ends (the token 2 then follows one gap and one step later)
             admitted = max(now, d.step_end) if d.step_end is not None else now
             copied = max(len(r.wr.prompt_ids) - skip * d.engine.config.block_size, 0)
-            # its own time for it (and a pull's copy), before its next step
-            d.free_at = max(d.free_at, admitted) + self.admit_s + self.admit_tok_s * copied
+            # its own time for it (and a pull's copy), before its next step; a copy that held the worker already
+            # took its share of that time (admit_ms and admit_ktok_ms were read from gaps that held the copy)
+            own = self.admit_s + self.admit_tok_s * copied
+            if d.pulls_in_gap:
+                own = max(own - (r.phases["transfer_end"] - r.phases["transfer_start"]), 0.0)
+            d.free_at = max(d.free_at, admitted) + own
             d.timing.joined_ktok += copied / 1000.0  # its next step reads their KV first (join_ktok_ms)
             r.phases["admitted"] = admitted
             p.engine.release(rid)
@@ -339,6 +350,8 @@ class Simulator:
         nbytes = blocks * d.engine.block_bytes
         now = max(now, d.free_at)  # a worker reads its messages between steps
         end = now + self._transfer_s(nbytes)
+        if d.pulls_in_gap:  # its next step waits for the copy and the admission (the land event: ties go first)
+            d.free_at = max(d.free_at, end)
         r.phases.update(transfer_start=now, transfer_end=end)
         self._transfers.append({**self._tag, "request": r.wr.id, "bytes": nbytes, "blocks": blocks, "start": now,
                                 "end": end, "transport": self.v.deployment.transport, "mode": "pull",

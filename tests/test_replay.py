@@ -66,15 +66,26 @@ def test_a_run_on_a_box_uniformly_slower_than_its_profile_replays_to_its_own_fig
         for p in ws.values():
             assert p.factor == pytest.approx(1.4) and [t for t, _, _ in p.by_run] == ["20", "inf"]
             assert all(f == pytest.approx(1.4) for _, _, f in p.by_run)
-            assert set(map(round, p.gaps_ms, [6] * len(p.gaps_ms))) <= {0.3}  # the host gap, where back to back
+            assert not p.gaps_ms or min(p.gaps_ms) == pytest.approx(0.3)  # the host gap, where back to back
+    # a decode worker's gaps that held pulls' copies are longer by them (a CPU pull copies between its steps);
+    # the others' are the host gap alone
+    dec = sorted((s for s in run.steps if s["worker"] == "decode0" and not s.get("warmup")),
+                 key=lambda s: (s["rate"], s["start"]))
+    held = [sum(x["end"] - x["start"] for x in run.transfers if a["end"] <= x["start"] < b["start"]) * 1e3
+            for a, b in zip(dec, dec[1:]) if a["rate"] == b["rate"] and b["start"] - a["end"] < 0.01]
+    assert max(held) > 0 and max(res["paces"]["pd"]["decode0"].gaps_ms) <= 0.3 + max(held) + 1e-6
+    for v, w in (("unified", "unified0"), ("pd", "prefill0")):
+        assert set(map(round, res["paces"][v][w].gaps_ms, [6] * len(res["paces"][v][w].gaps_ms))) <= {0.3}
     assert res["paces"]["pd"]["decode0"].gaps_ms and res["paces"]["unified"]["unified0"].gaps_ms
     rows = res["comparison"]["rows"]
     assert {(r["variant"], r["rate"]) for r in rows} == {(v, t) for v in ("unified", "pd") for t in ("20", "inf")}
     for r in rows:  # the same simulator, the same seeds and rates, the box's own step times: the same figures
+        # (within a percent for pd: its decode worker's gaps that held a copy are drawn at random by the replay)
+        tol = 1e-6 if r["variant"] == "unified" else 0.01
         for k in ("ttft_p50", "ttft_p90", "itl_p90"):
-            assert r[k]["error"] == pytest.approx(0, abs=1e-6), (r["variant"], r["rate"], k)
+            assert r[k]["error"] == pytest.approx(0, abs=tol), (r["variant"], r["rate"], k)
         if "saturation" in r:
-            assert r["saturation"]["error"] == pytest.approx(0, abs=1e-6)
+            assert r["saturation"]["error"] == pytest.approx(0, abs=tol)
         assert r["attainment"]["error"] == pytest.approx(0, abs=1e-9)
     assert all(a == b for a, b in within(rows).values()) and res["comparison"]["ranking"]["same"]
     # the forecast from the profile as measured misses by the box's drift

@@ -10,7 +10,7 @@ quickest burst's median: when a burst's first request wakes a worker on the rout
 that core for the rest of the burst and every send takes 3-5 times as long (0.1-0.16 ms against 0.02-0.04 on
 the 2-core Xeon; a run's router in the same race stalls once for 2-5 ms instead), and the simulator's router
 runs at its own pace. The burst's batched
-steps add to the gap samples too. Last, CO_REQUESTS requests with longer outputs, each submitted once the
+steps add to the gap samples too. Then CO_REQUESTS requests with longer outputs, each submitted once the
 decode worker has taken STAGGER_STEPS steps with the one before: each prefill runs beside the decoding of
 the requests before it, so both workers step together, as a run's do, and each hand-over is admitted on its
 own between two decode steps (the admit time of pulls of several lengths). Its steps, with the one-at-a-time

@@ -54,10 +54,8 @@ class KernelLog:
     def __init__(self, rd: Any, view: Any):
         self.rd, self.view = rd, view
         self.by_variant: dict[str, dict[str, dict]] = {}  # variant -> worker -> kernel -> Choice dict
-        # variant -> worker -> the box's pace at its start (pdlab.timing.pace), reported with the kernels: env.json
-        self.paces: dict[str, dict[str, float]] = {}
-        self.memory_paces: dict[str, dict[str, float]] = {}  # its memory half: env.json worker_memory_pace_ms
-        self.pace_reads: dict[str, dict[str, int]] = {}  # the MiB that half read: env.json worker_pace_read_mib
+        # variant -> worker -> the box's pace at its start (pdlab.timing.pace.Pace), reported with the kernels
+        self.paces: dict[str, dict[str, Any]] = {}
         self.warnings: list[str] = []
 
     def record(self, variant: str, workers: list[Any]) -> Optional[str]:
@@ -67,13 +65,10 @@ class KernelLog:
         got = {w.name: dict(w.kernels) for w in workers}
         self.by_variant[variant] = got
         self.rd.update_env(cpu_kernels=self.by_variant)
-        paced = [(w.name, w.pace) for w in workers if getattr(w, "pace", None) is not None]
+        paced = {w.name: w.pace for w in workers if getattr(w, "pace", None) is not None}
         if paced:  # each worker's own figures, and the read it timed (a node may run another checkout)
-            self.paces[variant] = {n: p.total_ms for n, p in paced}
-            self.memory_paces[variant] = {n: p.memory_ms for n, p in paced}
-            self.pace_reads[variant] = {n: p.read_mib for n, p in paced}
-            self.rd.update_env(worker_pace_ms=self.paces, worker_memory_pace_ms=self.memory_paces,
-                               worker_pace_read_mib=self.pace_reads)
+            self.paces[variant] = paced
+            self.rd.update_env(**self._pace_env())
         self.view.note(f"{variant}: {describe(got)}")
         lost = fell_back(got)
         if not lost:
@@ -84,11 +79,20 @@ class KernelLog:
         self.view.note(f"warning: {warning}")
         return warning
 
+    def _pace_env(self) -> dict:
+        """env.json's view of the paces: variant -> worker -> the whole, its memory half, the MiB that half read."""
+        def each(attr: str) -> dict:
+            return {v: {w: getattr(p, attr) for w, p in ws.items()} for v, ws in self.paces.items()}
+
+        return {"worker_pace_ms": each("total_ms"), "worker_memory_pace_ms": each("memory_ms"),
+                "worker_pace_read_mib": each("read_mib")}
+
     def reported(self) -> dict:
         """What the workers reported, as pdlab.timing.check.run_facts takes it (its keyword arguments): their
-        kernels, and their paces with the read each timed."""
-        return {"kernels": self.by_variant, "paces": self.paces, "memory_paces": self.memory_paces,
-                "pace_reads": self.pace_reads}
+        kernels, and their paces with the read each timed (as env.json keeps them)."""
+        env = self._pace_env()
+        return {"kernels": self.by_variant, "paces": env["worker_pace_ms"],
+                "memory_paces": env["worker_memory_pace_ms"], "pace_reads": env["worker_pace_read_mib"]}
 
     def facts(self) -> dict:
         return {variant: {"workers": workers, "describe": describe(workers)}

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 from pdlab.serve.launch import start_process
-from pdlab.timing.pace import READ_MIB, measure as measure_pace
+from pdlab.timing.pace import measure as measure_pace
 
 
 class MeasureError(RuntimeError):
@@ -167,7 +167,8 @@ def _measure(job: Job, cores: list[int], say: Callable[[str], None]) -> dict:
     return {"device": where, "threads": threads, "cores": cores, "pid": os.getpid(), "kv_memory_gb": mem_gb,
             "kv_bytes_per_token": kv_per_token, "kernels": kernels, "malloc_tuned": bool(tune_malloc()),
             "torch": str(torch.__version__), "measured_s": took, "pace_ms": [x.total_ms for x in paces],
-            "memory_pace_ms": [x.memory_ms for x in paces], "pace_read_mib": READ_MIB,
+            "memory_pace_ms": [x.memory_ms for x in paces],
+            "pace_read_mib": paces[0].read_mib if paces else None,
             "case_kinds": [c.kind for c in cases],
             "max_context": lim.max_context, "max_batch": lim.max_batch,
             "steps": [[s.counts.to_dict(), s.ms, s.case, s.cpu_ms] for s in samples], "after_prefill": after,
